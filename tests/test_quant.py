@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from spinquant_et.errors import SpinQuantError
+from spinquant_et.quant.quantizer import dequantize_weight, fake_quant_per_token, quantize_weight
+from spinquant_et.quant.rtn import CLIP_NORM, rtn_quantize
+from spinquant_et.recipe import QuantRecipe
+
+
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, -1), (8, 64), (2, 128), (3, 256)])
+def test_weight_quantization_range_and_error(bits, group):
+    w = torch.randn(16, 256)
+    q, s = quantize_weight(w, bits, group)
+    assert q.dtype == torch.int8 and s.shape == (16, 1 if group == -1 else 256 // group)
+    assert q.min() >= -(2 ** (bits - 1)) and q.max() <= 2 ** (bits - 1) - 1
+    err = (dequantize_weight(q, s) - w).abs()
+    step = s.repeat_interleave(256 // s.shape[1], dim=1)
+    assert (err <= step / 2 + 1e-6).all()  # round to nearest, no clipping with max-abs scales
+
+
+def test_clip_search_never_worse_than_max_abs_per_group():
+    w = torch.randn(32, 512) * torch.rand(32, 1) + torch.randn(32, 512).pow(3) * 0.1  # heavy tails
+    q0, s0 = quantize_weight(w, 4, 32)
+    q1, s1 = rtn_quantize(w, 4, 32, clip=True)
+
+    def group_err(q, s):
+        return (dequantize_weight(q, s) - w).abs().pow(CLIP_NORM).view(32, -1, 32).sum(-1)
+
+    assert (group_err(q1, s1) <= group_err(q0, s0) + 1e-6).all()
+    assert group_err(q1, s1).sum() < 0.95 * group_err(q0, s0).sum()  # and clearly better overall
+    assert (s1 <= s0 + 1e-12).all()
+
+
+def test_per_token_activation_quant_is_asymmetric_and_bounded():
+    x = torch.randn(4, 7, 96) + 3.0  # all-positive-ish rows: asymmetric range matters
+    for bits in (8, 4):
+        y = fake_quant_per_token(x, bits)
+        rng = x.amax(-1, keepdim=True).clamp(min=0) - x.amin(-1, keepdim=True).clamp(max=0)
+        assert ((y - x).abs() <= rng / (2**bits - 1) / 2 + 1e-5).all()
+        assert len(torch.unique(y[0, 0])) <= 2**bits
+    assert fake_quant_per_token(x, 16) is x
+
+
+def test_fake_quant_has_straight_through_gradient():
+    x = torch.randn(3, 64, requires_grad=True)
+    fake_quant_per_token(x, 4).sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_kv_groups_are_per_head():
+    x = torch.randn(2, 3, 5, 16)
+    x[:, 0] *= 100  # a loud head must not wreck the quiet ones
+    y = fake_quant_per_token(x, 4)
+    assert (y[:, 1:] - x[:, 1:]).abs().max() < 0.5
+
+
+@pytest.mark.parametrize("bad", [dict(w_bits=1), dict(a_bits=9), dict(group_size=0), dict(w_method="awq"),
+                                 dict(rotation="spin")])
+def test_recipe_rejects_bad_values(bad):
+    with pytest.raises(SpinQuantError):
+        QuantRecipe(**bad)
+
+
+def test_group_size_that_does_not_divide_names_the_layer():
+    with pytest.raises(SpinQuantError, match=r"--group-size 64 does not divide in_features 96 of .*q_proj; use e.g. 32"):
+        QuantRecipe(group_size=64).check_dims({"model.layers.0.self_attn.q_proj": 96, "x.down_proj": 160})
+
+
+def test_recipe_json_round_trip():
+    r = QuantRecipe(rotation="none", w_bits=3, group_size=128, a_bits=4, kv_bits=8, w_clip=False)
+    assert QuantRecipe.from_json(r.to_json()) == r
