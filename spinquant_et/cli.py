@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -83,11 +84,47 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Perplexity on non-overlapping windows. A quantized checkpoint runs with its "
                        "recipe's activation/KV bits unless --a-bits/--kv-bits override them; a float model "
                        "runs in float unless they are given.")
-    e.add_argument("--model", required=True, help=MODEL_HELP)
+    e.add_argument("--model", required=True, help=MODEL_HELP + ", or a .pte (its own forward is evaluated)")
     _add_text_flags(e, default_windows=32)
     e.add_argument("--a-bits", type=_bits, help="override activation bits (fake-quant)")
     e.add_argument("--kv-bits", type=_bits, help="override KV cache bits (fake-quant)")
     e.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    x = sub.add_parser("export", help="quantize (or take a quantized checkpoint) and lower to an ExecuTorch .pte",
+                       description="Quantize --model with the recipe flags (a checkpoint directory from `quantize` is "
+                       "exported as it is), build the model with R3/R4 and a KV cache in the graph, lower it to "
+                       "XNNPACK (8-bit dynamic activations x int4 groupwise weights) and write the .pte with "
+                       "tokenizer.json beside it.")
+    x.add_argument("--model", required=True, help=MODEL_HELP)
+    _add_recipe_flags(x)
+    x.add_argument("--max-seq-len", type=int, default=1024,
+                   help="KV cache length = the longest prompt + generation (default 1024)")
+    x.add_argument("--ops", choices=["portable"], default="portable",
+                   help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime (default)")
+    x.add_argument("--out", required=True, help="the .pte to write (atomically)")
+    x.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+    g = sub.add_parser("generate", help="stream text from a .pte",
+                       description="Prefill the prompt, decode with the program's KV cache, stream text to stdout; "
+                       "time to first token and tokens/s go to stderr.")
+    g.add_argument("pte", help="the .pte file")
+    g.add_argument("--tokenizer", help="tokenizer.json or its directory (default: beside the .pte)")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+    b = sub.add_parser("bench", help="prefill/decode tokens/s of a .pte over repeats",
+                       description="Runs generate N times (greedy, no EOS stop) and reports min/median/max.")
+    b.add_argument("pte", help="the .pte file")
+    b.add_argument("--tokenizer", help="tokenizer.json or its directory (default: beside the .pte)")
+    b.add_argument("--prompt", default="Rotations make quantization easier because", help="prompt text")
+    b.add_argument("--prompt-tokens", type=int, default=0, help="instead of --prompt: this many tokens of built-in text")
+    b.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
+    b.add_argument("--repeats", type=int, default=5, help="default 5")
+    b.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -109,12 +146,108 @@ def cmd_quantize(args) -> int:
     return 0
 
 
+def _tokenizer_for(pte: str, explicit: str | None):
+    from pathlib import Path
+
+    from .models.load import _load_tokenizer
+
+    where = Path(explicit) if explicit else Path(pte).parent
+    if where.is_file():
+        where = where.parent
+    if not (where / "tokenizer.json").is_file():
+        raise SpinQuantError(f"no tokenizer.json in {where}; pass --tokenizer (export writes it beside the .pte)")
+    return _load_tokenizer(str(where))
+
+
+def cmd_eval_pte(args) -> int:
+    from .data import load_text, token_windows, tokenize
+    from .runtime import PteModel, pte_perplexity
+
+    model = PteModel(args.model)
+    tokenizer = _tokenizer_for(args.model, None)
+    windows = token_windows(tokenize(tokenizer, load_text(args.text_file, "test")), args.seq_len, args.windows)
+    t0 = time.perf_counter()
+    ppl = pte_perplexity(model, windows)
+    result = {"model": args.model, "perplexity": ppl, "windows": int(windows.shape[0]), "seq_len": args.seq_len,
+              "tokens": int(windows.numel()), "seconds": round(time.perf_counter() - t0, 2)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"| model | windows x seq | perplexity |\n|---|---|---|\n| {args.model} | {result['windows']} x "
+              f"{args.seq_len} | {ppl:.3f} |")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export.pipeline import export
+
+    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force)
+    secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
+    print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
+          f"{result.tokenizer}; {secs}")
+    return 0
+
+
+def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpinQuantError("this tokenizer has no chat template; drop --chat")
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def cmd_generate(args) -> int:
+    from .runtime import PteModel, TextStreamer, generate
+
+    model = PteModel(args.pte)
+    tokenizer = _tokenizer_for(args.pte, args.tokenizer)
+    ids = _prompt_ids(tokenizer, args.prompt, args.chat)
+    streamer = TextStreamer(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    _, stats = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, args.seed, on_token=streamer)
+    print()
+    print(f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prompt_tokens} tok at {stats.prefill_tok_s:.1f} tok/s | "
+          f"decode {stats.new_tokens} tok at {stats.decode_tok_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import statistics
+
+    from .runtime import PteModel, generate
+
+    model = PteModel(args.pte)
+    tokenizer = _tokenizer_for(args.pte, args.tokenizer)
+    if args.prompt_tokens:
+        from .data import builtin_text, tokenize
+
+        ids = tokenize(tokenizer, builtin_text("test"))[: args.prompt_tokens].tolist()
+    else:
+        ids = _prompt_ids(tokenizer, args.prompt, False)
+    generate(model, ids, 4, stop_at_eos=False)  # warm-up: first call allocates and packs weights
+    runs = [generate(model, ids, args.max_new_tokens, stop_at_eos=False)[1] for _ in range(args.repeats)]
+    rows = {"ttft_ms": [r.ttft_s * 1000 for r in runs], "prefill_tok_s": [r.prefill_tok_s for r in runs],
+            "decode_tok_s": [r.decode_tok_s for r in runs]}
+    summary = {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in rows.items()}
+    if args.json:
+        print(json.dumps({"pte": args.pte, "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens,
+                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **summary}))
+    else:
+        print(f"{args.pte}: {len(ids)} prompt tokens, {args.max_new_tokens} new, {args.repeats} repeats")
+        print("| metric | min | median | max |\n|---|---|---|---|")
+        for k, v in summary.items():
+            print(f"| {k} | {v['min']:.1f} | {v['median']:.1f} | {v['max']:.1f} |")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from .data import load_text, token_windows, tokenize
     from .eval import perplexity
     from .models import load_model
     from .online import attach_online
 
+    if str(args.model).endswith(".pte"):
+        return cmd_eval_pte(args)
     loaded = load_model(args.model)
     recipe = loaded.recipe
     a_bits = args.a_bits if args.a_bits is not None else (recipe.a_bits if recipe else NO_QUANT)
@@ -143,11 +276,17 @@ def cmd_eval(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval}
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export, "generate": cmd_generate,
+            "bench": cmd_bench}
+RUNS_PTE = ("generate", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte"):
+        from .runtime import limit_omp_threads
+
+        limit_omp_threads()  # before torch loads: MKL/OpenMP threads would fight ExecuTorch's
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     for noisy in ("transformers", "torchao", "torch"):

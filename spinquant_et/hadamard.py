@@ -21,6 +21,7 @@ import math
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import SpinQuantError
@@ -190,14 +191,17 @@ class HadamardTransform(nn.Module):
                 return hadamard_transform(x, scale=1.0 / math.sqrt(self.n))
             except ImportError:
                 pass
-        shape = x.shape
+        # Reshapes name every dimension but one inferred (-1): the form torch.export keeps static
+        # and XNNPACK delegates (it rejects symbolic reshapes).
+        out_shape = [d if isinstance(d, int) else -1 for d in x.shape]
+        if out_shape.count(-1) > 1:
+            out_shape = list(x.shape)
         y = x.reshape(-1, self.n)
-        rows = y.shape[0]
         for i, f in enumerate(self.factors):
-            h = getattr(self, f"h{i}").to(y.dtype)
-            # [rows, f, rest] -> apply H_f to the f axis -> rotate that axis to the end.
-            y = torch.matmul(h, y.reshape(rows, f, self.n // f)).transpose(1, 2).reshape(rows, self.n)
-        return y.reshape(shape)
+            # [rows, f, rest] -> [rows, rest, f] @ H_f^T: H_f applied to the f axis, which ends up last.
+            y = F.linear(y.reshape(-1, f, self.n // f).transpose(1, 2), getattr(self, f"h{i}").to(y.dtype))
+            y = y.reshape(-1, self.n)
+        return y.reshape(out_shape)
 
     def extra_repr(self) -> str:
         return f"n={self.n}, factors={self.factors}"

@@ -1,0 +1,101 @@
+"""Build the exportable ``Transformer`` from a quantized checkpoint's tensors, config and recipe."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpinQuantError
+from ..models.arch import ArchSpec
+from ..recipe import NO_QUANT, QuantRecipe
+from ..rotation.apply import head_dim_of
+from .model import (Attention, Block, ExportArgs, FeedForward, Int8DynActInt8WeightLinear, Int8Embedding, RMSNorm,
+                    Transformer, make_linear)
+
+
+def check_exportable(recipe: QuantRecipe) -> None:
+    """ExecuTorch/XNNPACK kernels exist for 8da4w linears and int8 lm_head/embeddings; say so otherwise."""
+    problems = []
+    if recipe.w_bits not in (4, NO_QUANT):
+        problems.append(f"--w-bits {recipe.w_bits} (XNNPACK runs 4-bit groupwise weights, or 16 for float)")
+    if recipe.w_bits == 4 and (recipe.group_size == -1 or recipe.group_size % 32):
+        problems.append(f"--group-size {recipe.group_size} (8da4w needs a multiple of 32, e.g. 32 or 256)")
+    if recipe.w_bits == 4 and recipe.a_bits != 8:
+        problems.append(f"--a-bits {recipe.a_bits} with 4-bit weights (8da4w means 8-bit dynamic activations)")
+    if recipe.w_bits == NO_QUANT and recipe.a_bits != NO_QUANT:
+        problems.append(f"--a-bits {recipe.a_bits} with float weights (use --a-bits 16)")
+    if recipe.kv_bits not in (8, NO_QUANT):
+        problems.append(f"--kv-bits {recipe.kv_bits} (the exported KV cache is int8 or float: use 8 or 16)")
+    for name in ("embedding_bits", "lm_head_bits"):
+        if getattr(recipe, name) not in (8, NO_QUANT):
+            problems.append(f"--{name.replace('_', '-')} {getattr(recipe, name)} (use 8 or 16)")
+    if problems:
+        raise SpinQuantError("not exportable to ExecuTorch: " + "; ".join(problems))
+
+
+def _need(tensors: dict, key: str) -> torch.Tensor:
+    try:
+        return tensors[key]
+    except KeyError:
+        raise SpinQuantError(f"checkpoint is missing tensor {key}; re-run quantize") from None
+
+
+def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[max_seq, head_dim]`` exactly as the HF model computes them (incl. llama3 scaling)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rope = LlamaRotaryEmbedding(config)
+    pos = torch.arange(max_seq_len)[None]
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), pos)
+    return cos[0].float(), sin[0].float()
+
+
+def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, recipe: QuantRecipe,
+                      max_seq_len: int) -> Transformer:
+    """The exportable model; quantized tensors are used as stored (``<name>.weight`` int8 + ``.scales``)."""
+    check_exportable(recipe)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and max_seq_len > limit:
+        raise SpinQuantError(f"--max-seq-len {max_seq_len} is beyond the model's limit of {limit}; use at most {limit}")
+    args = ExportArgs(
+        vocab_size=config.vocab_size, dim=config.hidden_size, hidden_dim=config.intermediate_size,
+        n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config), norm_eps=config.rms_norm_eps,
+        max_seq_len=max_seq_len, w_bits=recipe.w_bits, group_size=recipe.group_size, a_bits=recipe.a_bits,
+        kv_bits=recipe.kv_bits, lm_head_bits=recipe.lm_head_bits, embedding_bits=recipe.embedding_bits,
+        rotated=recipe.rotated, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
+    )
+
+    def linear(name: str):
+        return make_linear(args, _need(tensors, f"{name}.weight"), tensors.get(f"{name}.scales"), tensors.get(f"{name}.bias"))
+
+    def norm(name: str, dim: int) -> RMSNorm:
+        n = RMSNorm(dim, args.norm_eps).requires_grad_(False)
+        n.weight.copy_(_need(tensors, f"{name}.weight").float())
+        return n
+
+    layers = []
+    for i in range(args.n_layers):
+        p = f"{arch.layers}.{i}"
+        attn_mod = arch.q.rpartition(".")[0]
+        qk = (norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim)) if arch.qk_norm else (None, None)
+        attention = Attention(args, linear(f"{p}.{arch.q}"), linear(f"{p}.{arch.k}"), linear(f"{p}.{arch.v}"),
+                              linear(f"{p}.{arch.o}"), *qk)
+        ffn = FeedForward(args, linear(f"{p}.{arch.gate}"), linear(f"{p}.{arch.down}"), linear(f"{p}.{arch.up}"))
+        block = Block(args, attention, ffn)
+        block.attention_norm = norm(f"{p}.{arch.attn_norm}", args.dim)
+        block.ffn_norm = norm(f"{p}.{arch.mlp_norm}", args.dim)
+        layers.append(block)
+
+    emb_w = _need(tensors, f"{arch.embed}.weight")
+    emb_s = tensors.get(f"{arch.embed}.scales")
+    if emb_s is None:
+        embedding = torch.nn.Embedding.from_pretrained(emb_w.float())
+    else:
+        embedding = Int8Embedding(emb_w, emb_s)
+    head_w = _need(tensors, f"{arch.lm_head}.weight")
+    head_s = tensors.get(f"{arch.lm_head}.scales")
+    output = Int8DynActInt8WeightLinear(head_w, head_s) if head_s is not None else make_linear(args, head_w, None, None)
+    cos, sin = rope_tables(config, max_seq_len)
+    model = Transformer(args, embedding, layers, output, cos, sin)
+    model.norm = norm(arch.final_norm, args.dim)
+    return model.eval()

@@ -1,0 +1,259 @@
+"""The exportable model: a flat Llama block with a static KV cache, built from a quantized checkpoint.
+
+gpt-fast style: one file, one ``ExportArgs`` dataclass, HF weight layout kept as is (q/k stay in
+HF's rotate-half RoPE layout, so no permutation is needed here; ``convert`` permutes for Meta's
+layout). What makes it ours:
+
+* linears hold the checkpoint's integers untouched (torchao ``Int8DynActInt4WeightLinear``:
+  int8 buffer with int4 values, fp32 group scales, zero points 0) so XNNPACK runs exactly the
+  weights GPTQ/clipped RTN chose; lm_head is int8 per channel with int8 dynamic activations;
+  embeddings are an int8 gather times per-row scales (plain aten ops);
+* R3 (Hadamard on Q and K after RoPE) and R4 (Hadamard before down_proj) are in the graph as
+  Kronecker-factor matmuls, which XNNPACK runs for every size;
+* the KV cache lives in mutable buffers (float, or int8 with per token/head scale and zero point),
+  attention is plain SDPA over the whole cache with a causal mask: only standard operators, so
+  the ``.pte`` runs in any ExecuTorch runtime (no ``llama::*`` custom ops).
+
+``forward(tokens [1, T] int64, input_pos [1] int64) -> logits [1, vocab]`` (last position), the
+signature ExecuTorch's LLM runners call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..hadamard import HadamardTransform
+
+# Integer conventions shared with the fake-quant model (spinquant_et.quant.quantizer).
+ACT_QMIN, ACT_QMAX = -128, 127
+
+
+@dataclass
+class ExportArgs:
+    vocab_size: int
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    max_seq_len: int
+    w_bits: int = 4  # 4: 8da4w linears; 16: float linears
+    group_size: int = 32
+    a_bits: int = 8
+    kv_bits: int = 16  # 8: int8 KV cache
+    lm_head_bits: int = 8
+    embedding_bits: int = 8
+    rotated: bool = True  # R3 and R4 online
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm whose mean of squares is a ``[1, dim]`` linear: XNNPACK delegates ``linear`` but not a
+    last-dim ``mean`` (it only pools 4-D inputs), and every op it cannot take splits the graph."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.register_buffer("mean_row", torch.full((1, dim), 1.0 / dim), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps) * self.weight
+
+
+def _dynamic_quant_per_token(x: torch.Tensor) -> torch.Tensor:
+    """int8 per-token asymmetric quantize->dequantize as torchao's decomposed ops (XNNPACK's QD8 pattern)."""
+    from torchao.quantization.utils import per_token_dynamic_quant
+
+    return per_token_dynamic_quant(x, scale_dtype=torch.float32, zero_point_dtype=torch.float32,
+                                   eps=torch.finfo(torch.float32).eps)
+
+
+class Int8DynActInt8WeightLinear(nn.Module):
+    """int8 per-channel weights with int8 dynamic per-token activations (XNNPACK QD8 x QC8W)."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.int8))
+        self.register_buffer("scales", scales.reshape(-1).float())
+        self.register_buffer("zeros", torch.zeros_like(self.scales, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.ops.quantized_decomposed.dequantize_per_channel(
+            self.weight, self.scales, self.zeros, 0, ACT_QMIN, ACT_QMAX, torch.int8
+        )
+        return F.linear(_dynamic_quant_per_token(x), w)
+
+
+class Int8Embedding(nn.Module):
+    """int8 rows times a per-row scale: a gather and a multiply, no quantized kernel needed."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.to(torch.int8))
+        self.register_buffer("scales", scales.reshape(-1, 1).float())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight).to(torch.float32) * F.embedding(tokens, self.scales)
+
+
+def make_linear(args: ExportArgs, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> nn.Module:
+    """8da4w (integers kept as given) when quantized, else a float linear."""
+    if scales is None:
+        lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None).requires_grad_(False)
+        lin.weight.data = weight.float()
+        if bias is not None:
+            lin.bias.data = bias.float()
+        return lin
+    from torchao.quantization.linear_quant_modules import Int8DynActInt4WeightLinear
+
+    out_f, in_f = weight.shape
+    lin = Int8DynActInt4WeightLinear(in_f, out_f, bias=bias is not None, groupsize=in_f // scales.shape[1],
+                                     precision=torch.float32, scales_precision=torch.float32)
+    lin.weight.copy_(weight.to(torch.int8))
+    lin.scales.copy_(scales.float())
+    lin.zeros.zero_()
+    if bias is not None:
+        lin.bias.copy_(bias.float())
+    return lin
+
+
+def rotate_half_matrix(head_dim: int) -> torch.Tensor:
+    """``P`` with ``F.linear(x, P) == cat(-x2, x1)`` (HF's rotate_half) as one delegated linear."""
+    half = head_dim // 2
+    p = torch.zeros(head_dim, head_dim)
+    p[torch.arange(half), torch.arange(half) + half] = -1.0
+    p[torch.arange(half) + half, torch.arange(half)] = 1.0
+    return p
+
+
+class KVCache(nn.Module):
+    """Static cache ``[1, kv_heads, max_seq, head_dim]``; int8 with per token/head scale and zero point if 8-bit."""
+
+    def __init__(self, args: ExportArgs):
+        super().__init__()
+        shape = (1, args.n_kv_heads, args.max_seq_len, args.head_dim)
+        self.quantized = args.kv_bits == 8
+        dtype = torch.int8 if self.quantized else torch.float32
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
+        if self.quantized:
+            qshape = (*shape[:-1], 1)
+            for name in ("k_scale", "v_scale", "k_zero", "v_zero"):
+                self.register_buffer(name, torch.ones(qshape), persistent=False)
+
+    @staticmethod
+    def _quantize(x: torch.Tensor):
+        xmin = x.amin(-1, keepdim=True).clamp(max=0)
+        xmax = x.amax(-1, keepdim=True).clamp(min=0)
+        scale = ((xmax - xmin) / (ACT_QMAX - ACT_QMIN)).clamp_min(1e-8)
+        zero = ACT_QMIN - torch.round(xmin / scale)
+        q = torch.clamp(torch.round(x / scale) + zero, ACT_QMIN, ACT_QMAX).to(torch.int8)
+        return q, scale, zero
+
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if not self.quantized:
+            self.k[:, :, pos] = k
+            self.v[:, :, pos] = v
+            return self.k, self.v
+        qk, sk, zk = self._quantize(k)
+        qv, sv, zv = self._quantize(v)
+        self.k[:, :, pos], self.k_scale[:, :, pos], self.k_zero[:, :, pos] = qk, sk, zk
+        self.v[:, :, pos], self.v_scale[:, :, pos], self.v_zero[:, :, pos] = qv, sv, zv
+        return ((self.k.to(torch.float32) - self.k_zero) * self.k_scale,
+                (self.v.to(torch.float32) - self.v_zero) * self.v_scale)
+
+
+class Attention(nn.Module):
+    """Every reshape keeps one inferred (-1) dimension and static others, the form XNNPACK delegates."""
+
+    def __init__(self, args: ExportArgs, wq, wk, wv, wo, q_norm=None, k_norm=None):
+        super().__init__()
+        self.args = args
+        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.r3 = HadamardTransform(args.head_dim).float() if args.rotated else None
+        self.cache = KVCache(args)
+        self.n_rep = args.n_heads // args.n_kv_heads
+        self.scale = args.head_dim**-0.5
+        self.register_buffer("rot_half", rotate_half_matrix(args.head_dim), persistent=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + F.linear(x, self.rot_half) * sin
+
+    def forward(self, x, cos, sin, pos, mask):
+        a = self.args
+        hd, kvh = a.head_dim, a.n_kv_heads
+        q = self.wq(x).view(1, -1, a.n_heads, hd)
+        k = self.wk(x).view(1, -1, kvh, hd)
+        v = self.wv(x).view(1, -1, kvh, hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = self._rope(q.transpose(1, 2), cos, sin)  # [1, heads, t, hd]
+        k = self._rope(k.transpose(1, 2), cos, sin)
+        if self.r3 is not None:
+            q, k = self.r3(q), self.r3(k)
+        keys, values = self.cache.update(pos, k, v)  # [1, kv, max_seq, hd]
+        # GQA without copying the cache: fold each kv head's query heads into the row axis.
+        q = q.reshape(kvh, -1, hd)  # [kv, rep * t, hd]
+        scores = torch.bmm(q, keys.view(kvh, a.max_seq_len, hd).transpose(1, 2)) * self.scale + mask
+        out = torch.bmm(torch.softmax(scores, dim=-1), values.view(kvh, a.max_seq_len, hd))
+        out = out.view(kvh, self.n_rep, -1, hd).permute(2, 0, 1, 3).reshape(1, -1, a.n_heads * hd)
+        return self.wo(out)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ExportArgs, w1, w2, w3):
+        super().__init__()
+        self.w1, self.w2, self.w3 = w1, w2, w3  # gate, down, up (Meta names)
+        self.r4 = HadamardTransform(args.hidden_dim).float() if args.rotated else None
+
+    def forward(self, x):
+        h = F.silu(self.w1(x)) * self.w3(x)
+        if self.r4 is not None:
+            h = self.r4(h)
+        return self.w2(h)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ExportArgs, attention: Attention, feed_forward: FeedForward):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention, self.feed_forward = attention, feed_forward
+
+    def forward(self, x, cos, sin, pos, mask):
+        x = x + self.attention(self.attention_norm(x), cos, sin, pos, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ExportArgs, tok_embeddings: nn.Module, layers: list[Block], output: nn.Module,
+                 cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = tok_embeddings
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = output
+        self.register_buffer("cos", cos, persistent=False)  # [max_seq, head_dim]
+        self.register_buffer("sin", sin, persistent=False)
+        causal = torch.full((args.max_seq_len, args.max_seq_len), float("-inf")).triu(1)
+        self.register_buffer("mask", causal, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        pos = input_pos[0] + torch.arange(t, dtype=torch.long)
+        cos, sin = self.cos[pos], self.sin[pos]
+        mask = self.mask[pos].repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # rows match the GQA fold
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, pos, mask)
+        return self.output(self.norm(x[:, -1, :]))

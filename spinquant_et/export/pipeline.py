@@ -1,0 +1,113 @@
+"""The ``export`` stage: (model | quantized checkpoint) -> ``.pte`` + tokenizer files beside it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import SpinQuantError
+from ..models.arch import arch_for
+from ..recipe import QuantRecipe
+from .build import build_transformer, check_exportable
+from .lower import lower_to_pte, metadata_methods
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SEQ_LEN = 1024
+
+
+@dataclass
+class ExportResult:
+    pte: Path
+    tokenizer: Path
+    recipe: QuantRecipe
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.pte.stat().st_size
+
+
+def quantized_tensors(model: torch.nn.Module, qtensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: float state dict with quantized weights replaced by ints + scales."""
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    tensors.update(qtensors)
+    return tensors
+
+
+def _load_checkpoint_dir(path: Path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from ..checkpoint import RECIPE, WEIGHTS
+    from ..models.load import _load_tokenizer
+
+    recipe = QuantRecipe.from_json((path / RECIPE).read_text())
+    check_exportable(recipe)
+    config = AutoConfig.from_pretrained(path)
+    try:
+        tensors = load_file(str(path / WEIGHTS))
+    except Exception as e:
+        raise SpinQuantError(f"cannot read {path / WEIGHTS} ({e}); re-run quantize") from None
+    return tensors, config, arch_for(config.model_type), recipe, _load_tokenizer(str(path))
+
+
+def eos_ids(tokenizer, config) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    cfg_eos = getattr(config, "eos_token_id", None)
+    ids |= set(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos] if cfg_eos is not None else [])
+    return sorted(ids)
+
+
+def write_tokenizer(tokenizer, directory: Path) -> Path:
+    """tokenizer.json (+ tokenizer_config.json, chat template) next to the .pte, each replaced atomically."""
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".tokenizer.") as tmp:
+        tokenizer.save_pretrained(tmp)
+        for f in Path(tmp).iterdir():
+            if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                f.replace(directory / f.name)
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        raise SpinQuantError("the tokenizer has no tokenizer.json form (a slow tokenizer?); ExecuTorch's runners need one")
+    return path
+
+
+def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+           force: bool = False) -> ExportResult:
+    """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``."""
+    from ..io import refuse_existing
+
+    out = Path(out)
+    refuse_existing(out, force)
+    seconds: dict[str, float] = {}
+    t0 = time.perf_counter()
+    path = Path(model)
+    if path.is_dir() and (path / "recipe.json").is_file():
+        tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(path)
+    else:
+        from ..models import load_model
+        from ..quantize import quantize
+
+        recipe = recipe or QuantRecipe()
+        check_exportable(recipe)  # before minutes of quantization
+        loaded = load_model(model)
+        seconds["load"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        qm = quantize(loaded, recipe)
+        tensors, config, arch, tokenizer = quantized_tensors(loaded.model, qm.qtensors), loaded.model.config, loaded.arch, loaded.tokenizer
+    seconds["quantize"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    transformer = build_transformer(tensors, config, arch, recipe, max_seq_len)
+    seconds["build"] = time.perf_counter() - t0
+    bos = tokenizer.bos_token_id
+    seconds.update(lower_to_pte(transformer, out, metadata_methods(transformer, bos, eos_ids(tokenizer, config)), force))
+    tok_path = write_tokenizer(tokenizer, out.parent)
+    (out.parent / f"{out.stem}.recipe.json").write_text(json.dumps({**json.loads(recipe.to_json()), "max_seq_len": max_seq_len}, indent=2))
+    return ExportResult(out, tok_path, recipe, seconds)

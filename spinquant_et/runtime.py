@@ -1,0 +1,184 @@
+"""Run a ``.pte`` from Python with ExecuTorch's runtime: generation, benchmarking, perplexity.
+
+Threads: ExecuTorch's XNNPACK workers and MKL/OpenMP threads oversubscribe the cores (decode
+halves), and ``torch.set_num_threads`` does not reach ExecuTorch, so ``OMP_NUM_THREADS=1`` must be
+in the environment before torch loads. The CLI sets it before importing anything heavy;
+``limit_omp_threads()`` is for other callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from .errors import SpinQuantError
+
+log = logging.getLogger(__name__)
+
+
+def limit_omp_threads() -> None:
+    """Set OMP_NUM_THREADS=1 unless the user chose a value (effective only before torch is imported)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    new_tokens: int
+    ttft_s: float  # time to first token (prefill + first sample)
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else float("nan")
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = self.new_tokens - 1  # the first new token comes from the prefill
+        return steps / self.decode_s if steps > 0 and self.decode_s else float("nan")
+
+
+class PteModel:
+    """A loaded ``.pte`` LLM: ``forward(tokens, pos) -> logits`` plus its metadata methods."""
+
+    def __init__(self, path: str | Path):
+        import torch  # noqa: F401  (loads libtorch before ExecuTorch's extensions)
+
+        try:  # kernels some programs need; ours need only XNNPACK, but stock et-llama programs use these
+            import executorch.kernels.quantized  # noqa: F401
+            import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+        except Exception as e:  # pragma: no cover - depends on the wheel
+            log.debug("optional ExecuTorch kernels not loaded: %s", e)
+        from executorch.runtime import Runtime
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise SpinQuantError(f".pte not found: {self.path}")
+        try:
+            self.program = Runtime.get().load_program(self.path)
+        except Exception:
+            raise SpinQuantError(f"{self.path} is not an ExecuTorch program (corrupt or not a .pte); re-export it") from None
+        try:
+            self.method = self.program.load_method("forward")
+        except Exception:
+            raise SpinQuantError(
+                f"{self.path}: this runtime lacks operators the program needs (see 'Missing operator' in the log "
+                "above); re-export with --ops portable"
+            ) from None
+        self.max_seq_len = int(self._meta("get_max_seq_len", 128))
+        eos = self._meta("get_eos_ids", [])
+        self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.bos_id = self._meta("get_bos_id", None)
+
+    def _meta(self, name: str, default):
+        if name not in self.program.method_names:
+            return default
+        out = self.program.load_method(name).execute([])
+        vals = [v.item() if hasattr(v, "item") else v for v in out]
+        return vals[0] if len(vals) == 1 and name != "get_eos_ids" else vals
+
+    def forward(self, tokens: list[int], pos: int):
+        """Logits ``[vocab]`` after ``tokens`` placed at positions ``pos ..`` (the KV cache keeps the rest)."""
+        import torch
+
+        if pos + len(tokens) > self.max_seq_len or len(tokens) > self.max_seq_len - 1:
+            raise SpinQuantError(
+                f"{pos + len(tokens)} tokens exceed the program's context of {self.max_seq_len}; "
+                "shorten the prompt or re-export with a larger --max-seq-len"
+            )
+        out = self.method.execute([torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)])
+        return out[0].reshape(-1)
+
+
+def sample(logits, temperature: float, top_p: float, generator) -> int:
+    """Greedy at temperature 0, else nucleus sampling."""
+    import torch
+
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_p, idx = probs.sort(descending=True)
+    keep = sorted_p.cumsum(0) - sorted_p < top_p
+    sorted_p = sorted_p * keep
+    choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
+    return int(idx[choice])
+
+
+def generate(model: PteModel, prompt_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 0.9, seed: int = 0, on_token: Callable[[int], None] | None = None,
+             stop_at_eos: bool = True) -> tuple[list[int], GenerationStats]:
+    """Prefill the prompt in one call, then decode one token per call with the program's KV cache."""
+    import torch
+
+    if not prompt_ids:
+        raise SpinQuantError("the prompt is empty")
+    if len(prompt_ids) >= model.max_seq_len:
+        raise SpinQuantError(
+            f"the prompt has {len(prompt_ids)} tokens but the program's context is {model.max_seq_len}; "
+            "shorten it or re-export with a larger --max-seq-len"
+        )
+    max_new_tokens = min(max_new_tokens, model.max_seq_len - len(prompt_ids))
+    g = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    logits = model.forward(prompt_ids, 0)
+    t_prefill = time.perf_counter() - t0
+    out: list[int] = []
+    token = sample(logits, temperature, top_p, g)
+    ttft = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    pos = len(prompt_ids)
+    while True:
+        out.append(token)
+        if on_token:
+            on_token(token)
+        if len(out) >= max_new_tokens or (stop_at_eos and token in model.eos_ids):
+            break
+        logits = model.forward([token], pos)
+        pos += 1
+        token = sample(logits, temperature, top_p, g)
+    decode_s = time.perf_counter() - t1
+    return out, GenerationStats(len(prompt_ids), len(out), ttft, t_prefill, decode_s)
+
+
+def pte_perplexity(model: PteModel, windows, progress: bool = True) -> float:
+    """Perplexity of the program itself: each window fed one token at a time (the program returns the
+    last position's logits), next-token NLL summed over every position."""
+    import torch
+    from tqdm.auto import tqdm
+
+    seq_len = windows.shape[1]
+    if seq_len > model.max_seq_len:
+        raise SpinQuantError(f"--seq-len {seq_len} exceeds the program's context of {model.max_seq_len}")
+    nll, count = 0.0, 0
+    bar = tqdm(total=windows.shape[0] * (seq_len - 1), desc="pte perplexity", disable=not progress)
+    for window in windows.tolist():
+        for pos in range(seq_len - 1):
+            logits = model.forward([window[pos]], pos)
+            nll -= torch.log_softmax(logits.float(), -1)[window[pos + 1]].item()
+            count += 1
+            bar.update(1)
+    bar.close()
+    return math.exp(nll / count)
+
+
+class TextStreamer:
+    """Decode token ids incrementally without ever printing half a UTF-8 character."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None]):
+        self.tokenizer, self.write = tokenizer, write
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return
+        self.write(text[self.printed:])
+        self.printed = len(text)
