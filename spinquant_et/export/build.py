@@ -65,8 +65,16 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         rotated=recipe.rotated, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
     )
 
-    def linear(name: str):
-        return make_linear(args, _need(tensors, f"{name}.weight"), tensors.get(f"{name}.scales"), tensors.get(f"{name}.bias"))
+    def linear(*names: str):
+        """One linear for ``names`` stacked on the output axis (rows keep their integers and scales)."""
+        weights = [_need(tensors, f"{n}.weight") for n in names]
+        scales = [tensors.get(f"{n}.scales") for n in names]
+        biases = [tensors.get(f"{n}.bias") for n in names]
+        if len({None if s is None else s.shape[1] for s in scales}) != 1:
+            raise SpinQuantError(f"{', '.join(names)} are quantized differently; re-run quantize")
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, weights)])
+        return make_linear(args, torch.cat(weights), None if scales[0] is None else torch.cat(scales), bias)
 
     def norm(name: str, dim: int) -> RMSNorm:
         n = RMSNorm(dim, args.norm_eps).requires_grad_(False)
@@ -80,7 +88,7 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         qk = (norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim)) if arch.qk_norm else (None, None)
         attention = Attention(args, linear(f"{p}.{arch.q}"), linear(f"{p}.{arch.k}"), linear(f"{p}.{arch.v}"),
                               linear(f"{p}.{arch.o}"), *qk)
-        ffn = FeedForward(args, linear(f"{p}.{arch.gate}"), linear(f"{p}.{arch.down}"), linear(f"{p}.{arch.up}"))
+        ffn = FeedForward(args, linear(f"{p}.{arch.gate}", f"{p}.{arch.up}"), linear(f"{p}.{arch.down}"))
         block = Block(args, attention, ffn)
         block.attention_norm = norm(f"{p}.{arch.attn_norm}", args.dim)
         block.ffn_norm = norm(f"{p}.{arch.mlp_norm}", args.dim)

@@ -44,6 +44,7 @@ def export_program(model: Transformer):
 
 def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: bool = False) -> dict[str, float]:
     """Export, lower to XNNPACK and write ``out`` atomically. Returns seconds per phase."""
+    import executorch.kernels.quantized  # noqa: F401  (out-variants of the int8 KV cache's per-token ops)
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
@@ -62,7 +63,10 @@ def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: boo
         )
         times["lower"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        et_program = edge.to_executorch(ExecutorchBackendConfig(sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass()))
+        et_program = edge.to_executorch(ExecutorchBackendConfig(
+            sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
+            run_reinplace_pass=True,  # KV cache writes in place, not a copy of the whole cache per token
+        ))
         tmp.write_bytes(et_program.buffer)
         times["serialize"] = time.perf_counter() - t0
     log.info("export %.1fs, lower %.1fs, serialize %.1fs", times["export"], times["lower"], times["serialize"])

@@ -4,8 +4,8 @@ gpt-fast style: one file, one ``ExportArgs`` dataclass, HF weight layout kept as
 HF's rotate-half RoPE layout, so no permutation is needed here; ``convert`` permutes for Meta's
 layout). What makes it ours:
 
-* linears hold the checkpoint's integers untouched (torchao ``Int8DynActInt4WeightLinear``:
-  int8 buffer with int4 values, fp32 group scales, zero points 0) so XNNPACK runs exactly the
+* linears hold the checkpoint's integers untouched (``Int8DynActInt4WeightLinear``: int8 buffer
+  with int4 values, fp32 group scales, zero points 0) so XNNPACK runs exactly the
   weights GPTQ/clipped RTN chose; lm_head is int8 per channel with int8 dynamic activations;
   embeddings are an int8 gather times per-row scales (plain aten ops);
 * R3 (Hadamard on Q and K after RoPE) and R4 (Hadamard before down_proj) are in the graph as
@@ -69,11 +69,34 @@ class RMSNorm(nn.Module):
 
 
 def _dynamic_quant_per_token(x: torch.Tensor) -> torch.Tensor:
-    """int8 per-token asymmetric quantize->dequantize as torchao's decomposed ops (XNNPACK's QD8 pattern)."""
-    from torchao.quantization.utils import per_token_dynamic_quant
+    """int8 per-token asymmetric quantize->dequantize (XNNPACK fuses it into its QD8 kernels).
 
-    return per_token_dynamic_quant(x, scale_dtype=torch.float32, zero_point_dtype=torch.float32,
-                                   eps=torch.finfo(torch.float32).eps)
+    ``quantized_decomposed`` ops, not torchao's ``*_affine`` ones: same arithmetic, but lowering
+    traces them several times faster (they have light meta kernels), which matters at 30 layers.
+    """
+    qd = torch.ops.quantized_decomposed
+    scale, zero = qd.choose_qparams_per_token_asymmetric(x, torch.int8)
+    xq = qd.quantize_per_token(x, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8)
+    return qd.dequantize_per_token(xq, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8, torch.float32)
+
+
+class Int8DynActInt4WeightLinear(nn.Module):
+    """int4 groupwise weights (int8 storage, zero points 0) with int8 dynamic per-token activations:
+    XNNPACK's QD8 x QB4W kernels. The integers are the checkpoint's, never re-rounded."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.group_size = weight.shape[1] // scales.shape[1]
+        self.register_buffer("weight", weight.to(torch.int8))
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("zeros", torch.zeros_like(self.scales, dtype=torch.int8))
+        self.register_buffer("bias", None if bias is None else bias.float())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.ops.quantized_decomposed.dequantize_per_channel_group(
+            self.weight, self.scales, self.zeros, -8, 7, torch.int8, self.group_size, torch.float32
+        )
+        return F.linear(_dynamic_quant_per_token(x), w, self.bias)
 
 
 class Int8DynActInt8WeightLinear(nn.Module):
@@ -112,17 +135,7 @@ def make_linear(args: ExportArgs, weight: torch.Tensor, scales: torch.Tensor | N
         if bias is not None:
             lin.bias.data = bias.float()
         return lin
-    from torchao.quantization.linear_quant_modules import Int8DynActInt4WeightLinear
-
-    out_f, in_f = weight.shape
-    lin = Int8DynActInt4WeightLinear(in_f, out_f, bias=bias is not None, groupsize=in_f // scales.shape[1],
-                                     precision=torch.float32, scales_precision=torch.float32)
-    lin.weight.copy_(weight.to(torch.int8))
-    lin.scales.copy_(scales.float())
-    lin.zeros.zero_()
-    if bias is not None:
-        lin.bias.copy_(bias.float())
-    return lin
+    return Int8DynActInt4WeightLinear(weight, scales, bias)
 
 
 def rotate_half_matrix(head_dim: int) -> torch.Tensor:
@@ -135,40 +148,53 @@ def rotate_half_matrix(head_dim: int) -> torch.Tensor:
 
 
 class KVCache(nn.Module):
-    """Static cache ``[1, kv_heads, max_seq, head_dim]``; int8 with per token/head scale and zero point if 8-bit."""
+    """Static cache ``[1, kv_heads, max_seq, head_dim]``; int8 with per token/head scale and zero point if 8-bit.
+
+    The int8 path uses ``quantized_decomposed`` per-token ops (ExecuTorch's quantized kernels, as in
+    its own quantized KV cache): single portable nodes between XNNPACK partitions. Spelled out in
+    aten ops, half of them would be delegated and the partitioner finds dependency cycles.
+    """
 
     def __init__(self, args: ExportArgs):
         super().__init__()
-        shape = (1, args.n_kv_heads, args.max_seq_len, args.head_dim)
+        # [kv_heads, max_seq, head_dim]: positions on dim 1, the layout ExecuTorch's in-place index_put_
+        # kernel accepts (so a token's K/V is written in place, not a copy of the cache per step).
+        shape = (args.n_kv_heads, args.max_seq_len, args.head_dim)
         self.quantized = args.kv_bits == 8
         dtype = torch.int8 if self.quantized else torch.float32
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype), persistent=False)
         if self.quantized:
             qshape = (*shape[:-1], 1)
-            for name in ("k_scale", "v_scale", "k_zero", "v_zero"):
-                self.register_buffer(name, torch.ones(qshape), persistent=False)
+            # float64 scales: ExecuTorch's per-token quantize kernel requires double
+            self.register_buffer("k_scale", torch.ones(qshape, dtype=torch.float64), persistent=False)
+            self.register_buffer("v_scale", torch.ones(qshape, dtype=torch.float64), persistent=False)
+            self.register_buffer("k_zero", torch.zeros(qshape, dtype=torch.int64), persistent=False)
+            self.register_buffer("v_zero", torch.zeros(qshape, dtype=torch.int64), persistent=False)
 
     @staticmethod
     def _quantize(x: torch.Tensor):
-        xmin = x.amin(-1, keepdim=True).clamp(max=0)
-        xmax = x.amax(-1, keepdim=True).clamp(min=0)
-        scale = ((xmax - xmin) / (ACT_QMAX - ACT_QMIN)).clamp_min(1e-8)
-        zero = ACT_QMIN - torch.round(xmin / scale)
-        q = torch.clamp(torch.round(x / scale) + zero, ACT_QMIN, ACT_QMAX).to(torch.int8)
-        return q, scale, zero
+        qd = torch.ops.quantized_decomposed
+        scale, zero = qd.choose_qparams_per_token_asymmetric(x, torch.int8)
+        return qd.quantize_per_token(x, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8), scale, zero
+
+    @staticmethod
+    def _dequantize(q, scale, zero):
+        return torch.ops.quantized_decomposed.dequantize_per_token(q, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8,
+                                                                   torch.float32)
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return the whole cache."""
         if not self.quantized:
-            self.k[:, :, pos] = k
-            self.v[:, :, pos] = v
+            self.k[:, pos] = k
+            self.v[:, pos] = v
             return self.k, self.v
         qk, sk, zk = self._quantize(k)
         qv, sv, zv = self._quantize(v)
-        self.k[:, :, pos], self.k_scale[:, :, pos], self.k_zero[:, :, pos] = qk, sk, zk
-        self.v[:, :, pos], self.v_scale[:, :, pos], self.v_zero[:, :, pos] = qv, sv, zv
-        return ((self.k.to(torch.float32) - self.k_zero) * self.k_scale,
-                (self.v.to(torch.float32) - self.v_zero) * self.v_scale)
+        self.k[:, pos], self.k_scale[:, pos], self.k_zero[:, pos] = qk, sk, zk
+        self.v[:, pos], self.v_scale[:, pos], self.v_zero[:, pos] = qv, sv, zv
+        return (self._dequantize(self.k, self.k_scale, self.k_zero),
+                self._dequantize(self.v, self.v_scale, self.v_zero))
 
 
 class Attention(nn.Module):
@@ -177,6 +203,8 @@ class Attention(nn.Module):
     def __init__(self, args: ExportArgs, wq, wk, wv, wo, q_norm=None, k_norm=None):
         super().__init__()
         self.args = args
+        # q, k, v stay separate linears: stacked into one, the int8 KV cache's quantize ops sit between
+        # slices of a single XNNPACK partition and the partitioner fails with a dependency cycle.
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm, self.k_norm = q_norm, k_norm
         self.r3 = HadamardTransform(args.head_dim).float() if args.rotated else None
@@ -200,23 +228,25 @@ class Attention(nn.Module):
         k = self._rope(k.transpose(1, 2), cos, sin)
         if self.r3 is not None:
             q, k = self.r3(q), self.r3(k)
-        keys, values = self.cache.update(pos, k, v)  # [1, kv, max_seq, hd]
+        keys, values = self.cache.update(pos, k.reshape(kvh, -1, hd), v.reshape(kvh, -1, hd))  # [kv, max_seq, hd]
         # GQA without copying the cache: fold each kv head's query heads into the row axis.
         q = q.reshape(kvh, -1, hd)  # [kv, rep * t, hd]
-        scores = torch.bmm(q, keys.view(kvh, a.max_seq_len, hd).transpose(1, 2)) * self.scale + mask
-        out = torch.bmm(torch.softmax(scores, dim=-1), values.view(kvh, a.max_seq_len, hd))
+        scores = torch.bmm(q, keys.transpose(1, 2)) * self.scale + mask
+        out = torch.bmm(torch.softmax(scores, dim=-1), values)
         out = out.view(kvh, self.n_rep, -1, hd).permute(2, 0, 1, 3).reshape(1, -1, a.n_heads * hd)
         return self.wo(out)
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ExportArgs, w1, w2, w3):
+    def __init__(self, args: ExportArgs, w13, w2):
         super().__init__()
-        self.w1, self.w2, self.w3 = w1, w2, w3  # gate, down, up (Meta names)
+        self.hidden_dim = args.hidden_dim
+        self.w13, self.w2 = w13, w2  # gate and up stacked (one kernel), down (Meta names w1, w3, w2)
         self.r4 = HadamardTransform(args.hidden_dim).float() if args.rotated else None
 
     def forward(self, x):
-        h = F.silu(self.w1(x)) * self.w3(x)
+        gate_up = self.w13(x)
+        h = F.silu(gate_up[..., : self.hidden_dim]) * gate_up[..., self.hidden_dim :]
         if self.r4 is not None:
             h = self.r4(h)
         return self.w2(h)

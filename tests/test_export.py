@@ -1,0 +1,178 @@
+"""Export to .pte on a tiny model: faithful to the eager model, runnable by our runtime and ExecuTorch's
+own TextLLMRunner, with clear errors for what cannot be exported. Lowering is slow, so one program
+is built per session and shared."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spinquant_et.cli import main
+from spinquant_et.errors import SpinQuantError
+from spinquant_et.export.build import build_transformer, check_exportable
+from spinquant_et.export.pipeline import _load_checkpoint_dir
+from spinquant_et.recipe import QuantRecipe
+
+RECIPE_FLAGS = ["--rotation", "hadamard", "--w-bits", "4", "--group-size", "32", "--a-bits", "8", "--kv-bits", "8"]
+MAX_SEQ = 96
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "q"
+    assert main(["quantize", "--model", str(tiny_hf_dir["llama"]), *RECIPE_FLAGS, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pte(tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
+    assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(MAX_SEQ), "--out", str(out)]) == 0
+    return out
+
+
+def _eager_transformer(ckpt):
+    tensors, config, arch, recipe, _ = _load_checkpoint_dir(ckpt)
+    return build_transformer(tensors, config, arch, recipe, MAX_SEQ), tensors
+
+
+def test_exported_linears_hold_the_checkpoint_integers(tiny_ckpt):
+    model, tensors = _eager_transformer(tiny_ckpt)
+    assert torch.equal(model.layers[1].attention.wk.weight, tensors["model.layers.1.self_attn.k_proj.weight"])
+    w13 = model.layers[1].feed_forward.w13  # gate and up stacked: rows keep their integers
+    expected = torch.cat([tensors[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up")])
+    assert torch.equal(w13.weight, expected)  # not re-rounded
+    assert torch.equal(model.layers[0].feed_forward.w2.scales, tensors["model.layers.0.mlp.down_proj.scales"])
+
+
+def test_export_model_matches_fake_quant_hf_model(tiny_ckpt):
+    """The export model (KV cache, int8 cache, R3/R4 in graph) computes what the fake-quant HF model does,
+    except the lm_head input, which the program quantizes to int8 (XNNPACK QD8 x QC8W)."""
+    from spinquant_et.checkpoint import load_quantized
+
+    model, _ = _eager_transformer(tiny_ckpt)
+    hf = load_quantized(tiny_ckpt).model
+    x = torch.randint(0, 384, (1, 24))
+    ref = hf(x).logits[0, 15:]
+    with torch.no_grad():
+        got = torch.cat([model(x[:, :16], torch.tensor([0]))] + [model(x[:, t : t + 1], torch.tensor([t])) for t in range(16, 24)])
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
+    from spinquant_et.runtime import PteModel
+
+    pte = PteModel(tiny_pte)
+    assert pte.max_seq_len == MAX_SEQ
+    model, _ = _eager_transformer(tiny_ckpt)
+    x = torch.randint(0, 384, (1, 20)).tolist()[0]
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([x[:12]]), torch.tensor([0]))[0]]
+                          + [model(torch.tensor([[x[t]]]), torch.tensor([t]))[0] for t in range(12, 20)])
+    got = torch.stack([pte.forward(x[:12], 0)] + [pte.forward([x[t]], t) for t in range(12, 20)])
+    # XNNPACK's own dynamic quantization rounds a few activations differently from the reference
+    # ops; on a random tiny model that moves logits ~1%, far below the gap between tokens.
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def test_metadata_and_tokenizer_beside_the_pte(tiny_pte):
+    from spinquant_et.runtime import PteModel
+
+    pte = PteModel(tiny_pte)
+    names = pte.program.method_names
+    for m in ("get_max_seq_len", "get_max_context_len", "use_kv_cache", "get_eos_ids", "get_bos_id",
+              "get_vocab_size", "get_n_layers"):
+        assert m in names
+    assert pte._meta("get_vocab_size", 0) == 384 and pte._meta("get_n_layers", 0) == 2
+    assert (tiny_pte.parent / "tokenizer.json").is_file()
+    assert json.loads((tiny_pte.parent / "tiny.recipe.json").read_text())["kv_bits"] == 8
+
+
+def test_generate_streams_text_and_reports_speed(tiny_pte, capsys):
+    code = main(["generate", str(tiny_pte), "--prompt", "def f(x):", "--max-new-tokens", "12"])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.strip() and "decode 12 tok at" in err and "ttft" in err
+
+
+def test_greedy_tokens_equal_executorch_text_llm_runner(tiny_pte):
+    """Our Python loop and ExecuTorch's stock C++ runner (the mobile apps' code) agree token for token."""
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+    from transformers import AutoTokenizer
+
+    from spinquant_et.runtime import PteModel, generate
+
+    tok = AutoTokenizer.from_pretrained(tiny_pte.parent)
+    prompt = "The data model of Python"
+    ours, _ = generate(PteModel(tiny_pte), tok.encode(prompt, add_special_tokens=False), 16, stop_at_eos=False)
+    pieces: list[str] = []
+    runner = TextLLMRunner(str(tiny_pte), str(tiny_pte.parent / "tokenizer.json"))
+    runner.generate(prompt, GenerationConfig(echo=False, max_new_tokens=16, temperature=0.0, num_bos=0),
+                    token_callback=pieces.append)
+    theirs = tok.encode("".join(pieces), add_special_tokens=False)
+    assert tok.decode(ours[: len(theirs)]) == "".join(pieces)
+
+
+def test_eval_of_pte_is_close_to_eager(tiny_pte, tiny_ckpt, capsys):
+    args = ["--seq-len", "48", "--windows", "2", "--json"]
+    assert main(["eval", "--model", str(tiny_pte), *args]) == 0
+    pte_ppl = json.loads(capsys.readouterr().out)["perplexity"]
+    assert main(["eval", "--model", str(tiny_ckpt), *args]) == 0
+    eager_ppl = json.loads(capsys.readouterr().out)["perplexity"]
+    assert abs(pte_ppl / eager_ppl - 1) < 0.05  # random tiny model; SmolLM2's 1% is in test_e2e
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(w_bits=3), "--w-bits 3"),
+    (dict(group_size=48), "--group-size 48"),
+    (dict(a_bits=4), "--a-bits 4 with 4-bit weights"),
+    (dict(kv_bits=4), "--kv-bits 4"),
+])
+def test_unsupported_combinations_are_refused_before_any_work(kw, match):
+    with pytest.raises(SpinQuantError, match="not exportable to ExecuTorch: " + match):
+        check_exportable(QuantRecipe(**kw))
+
+
+def test_export_cli_errors(tiny_ckpt, tiny_hf_dir, tmp_path, capsys):
+    out = tmp_path / "x.pte"
+    assert main(["export", "--model", str(tiny_hf_dir["llama"]), "--w-bits", "3", "--out", str(out)]) == 2
+    assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", "4096", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "not exportable to ExecuTorch: --w-bits 3" in err
+    assert "--max-seq-len 4096 is beyond the model's limit of 512" in err
+    assert not out.exists() and not any(p.name.startswith(".x.pte") for p in tmp_path.iterdir())
+
+
+def test_checkpoint_missing_tensors_is_refused(tiny_ckpt, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_ckpt, broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    assert main(["export", "--model", str(broken), "--max-seq-len", "64", "--out", str(tmp_path / "b.pte")]) == 2
+    assert "missing tensor model.layers.0.mlp.up_proj.weight" in capsys.readouterr().err
+    assert not (tmp_path / "b.pte").exists()
+
+
+def test_prompt_longer_than_context_is_refused(tiny_pte, capsys):
+    assert main(["generate", str(tiny_pte), "--prompt", "word " * 400]) == 2
+    assert f"but the program's context is {MAX_SEQ}; shorten it" in capsys.readouterr().err
+    from spinquant_et.runtime import PteModel, generate
+
+    with pytest.raises(SpinQuantError, match=f"the program's context is {MAX_SEQ}; shorten it"):
+        generate(PteModel(tiny_pte), list(range(1, 200)))
+
+
+def test_a_file_that_is_not_a_program(tmp_path, capsys):
+    bad = tmp_path / "bad.pte"
+    bad.write_bytes(b"not a flatbuffer at all" * 10)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert main(["generate", str(bad), "--prompt", "hi"]) == 2
+    assert "is not an ExecuTorch program" in capsys.readouterr().err
