@@ -49,7 +49,7 @@ def main() -> None:
     rotations = args.rotations.split(",")
     print("| recipe | " + " | ".join(f"{r} rotation" for r in rotations) + " |")
     print("|---|" + "---|" * len(rotations))
-    print(f"| FP (fp32) | " + " | ".join(f"{fp:.2f}" for _ in rotations) + " |", flush=True)
+    print("| FP (fp32) | " + " | ".join(f"{fp:.2f}" for _ in rotations) + " |", flush=True)
     for name, kw in ROWS:
         cells = []
         for rotation in rotations:

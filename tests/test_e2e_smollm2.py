@@ -3,7 +3,6 @@
 import copy
 
 import pytest
-import torch
 
 from spinquant_et.data import load_text, token_windows, tokenize
 from spinquant_et.eval import perplexity

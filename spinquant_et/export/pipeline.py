@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
