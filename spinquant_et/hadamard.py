@@ -26,9 +26,10 @@ from torch import nn
 
 from .errors import SpinQuantError
 
-# Largest power-of-two Kronecker factor of the online transform: 16 keeps the per-element cost
-# low (12 + 16 + 8 multiply-adds for 1536) while keeping the number of reshapes small.
-MAX_POW2_FACTOR = 16
+# Largest power-of-two Kronecker factor of the online transform. At decode time each factor costs
+# a transpose and a kernel launch, which outweigh its multiply-adds: 128 gives head_dim 64 one
+# factor and 1536 = 12 x 128 two (140 multiply-adds per element, vs 1536 for a dense matmul).
+MAX_POW2_FACTOR = 128
 
 
 def _prime_power(q: int) -> tuple[int, int] | None:
@@ -196,6 +197,8 @@ class HadamardTransform(nn.Module):
         out_shape = [d if isinstance(d, int) else -1 for d in x.shape]
         if out_shape.count(-1) > 1:
             out_shape = list(x.shape)
+        if len(self.factors) == 1:  # one factor: a plain matmul over the last dim, no reshapes
+            return F.linear(x, self.h0.to(x.dtype))
         y = x.reshape(-1, self.n)
         for i, f in enumerate(self.factors):
             # [rows, f, rest] -> [rows, rest, f] @ H_f^T: H_f applied to the f axis, which ends up last.

@@ -12,6 +12,7 @@ import torch
 from spinquant_et.cli import main
 from spinquant_et.errors import SpinQuantError
 from spinquant_et.export.build import build_transformer, check_exportable
+from spinquant_et.export.model import TransposedInputKronHadamard
 from spinquant_et.export.pipeline import _load_checkpoint_dir
 from spinquant_et.recipe import QuantRecipe
 
@@ -41,9 +42,10 @@ def _eager_transformer(ckpt):
 def test_exported_linears_hold_the_checkpoint_integers(tiny_ckpt):
     model, tensors = _eager_transformer(tiny_ckpt)
     assert torch.equal(model.layers[1].attention.wk.weight, tensors["model.layers.1.self_attn.k_proj.weight"])
-    w13 = model.layers[1].feed_forward.w13  # gate and up stacked: rows keep their integers
-    expected = torch.cat([tensors[f"model.layers.1.mlp.{n}_proj.weight"] for n in ("gate", "up")])
-    assert torch.equal(w13.weight, expected)  # not re-rounded
+    # gate and up stacked, rows permuted for the one-transpose R4 (160 = 20 x 8): integers kept
+    perm = TransposedInputKronHadamard.input_permutation(20, 8)
+    expected = torch.cat([tensors[f"model.layers.1.mlp.{n}_proj.weight"][perm] for n in ("gate", "up")])
+    assert torch.equal(model.layers[1].feed_forward.w13.weight, expected)  # not re-rounded
     assert torch.equal(model.layers[0].feed_forward.w2.scales, tensors["model.layers.0.mlp.down_proj.scales"])
 
 

@@ -38,7 +38,7 @@ def test_llama2_intermediate_11008_is_supported_without_dense_matrix():
 
 def test_online_transform_cost_is_small_per_element():
     for n in (576, 1536, 14336):
-        assert sum(hadamard_factors(n)) < 200  # vs n multiply-adds per element for a dense matmul
+        assert sum(hadamard_factors(n)) <= 200  # vs n multiply-adds per element for a dense matmul
 
 
 @pytest.mark.parametrize("n", [172, 156, 14])

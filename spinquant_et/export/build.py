@@ -8,8 +8,9 @@ from ..errors import SpinQuantError
 from ..models.arch import ArchSpec
 from ..recipe import NO_QUANT, QuantRecipe
 from ..rotation.apply import head_dim_of
+from ..hadamard import HadamardTransform, hadamard_factors
 from .model import (Attention, Block, ExportArgs, FeedForward, Int8DynActInt8WeightLinear, Int8Embedding, RMSNorm,
-                    Transformer, make_linear)
+                    TransposedInputKronHadamard, Transformer, make_linear)
 
 
 def check_exportable(recipe: QuantRecipe) -> None:
@@ -65,11 +66,25 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         rotated=recipe.rotated, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
     )
 
-    def linear(*names: str):
-        """One linear for ``names`` stacked on the output axis (rows keep their integers and scales)."""
-        weights = [_need(tensors, f"{n}.weight") for n in names]
-        scales = [tensors.get(f"{n}.scales") for n in names]
-        biases = [tensors.get(f"{n}.bias") for n in names]
+    # R4 with two Kronecker factors runs with one transpose if gate/up output rows are permuted
+    # offline (rows, not columns: every group keeps its integers and its scale).
+    r4_factors = hadamard_factors(args.hidden_dim) if args.rotated else ()
+    r4_perm = TransposedInputKronHadamard.input_permutation(*r4_factors) if len(r4_factors) == 2 else None
+
+    def make_r4():
+        if not args.rotated:
+            return None
+        return TransposedInputKronHadamard(r4_factors) if r4_perm is not None else HadamardTransform(args.hidden_dim).float()
+
+    def linear(*names: str, perm: torch.Tensor | None = None):
+        """One linear for ``names`` stacked on the output axis (rows keep their integers and scales);
+        ``perm`` reorders the rows of each part."""
+        def rows(t):
+            return t if (t is None or perm is None) else t[perm]
+
+        weights = [rows(_need(tensors, f"{n}.weight")) for n in names]
+        scales = [rows(tensors.get(f"{n}.scales")) for n in names]
+        biases = [rows(tensors.get(f"{n}.bias")) for n in names]
         if len({None if s is None else s.shape[1] for s in scales}) != 1:
             raise SpinQuantError(f"{', '.join(names)} are quantized differently; re-run quantize")
         bias = None if all(b is None for b in biases) else torch.cat(
@@ -88,7 +103,8 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         qk = (norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim)) if arch.qk_norm else (None, None)
         attention = Attention(args, linear(f"{p}.{arch.q}"), linear(f"{p}.{arch.k}"), linear(f"{p}.{arch.v}"),
                               linear(f"{p}.{arch.o}"), *qk)
-        ffn = FeedForward(args, linear(f"{p}.{arch.gate}", f"{p}.{arch.up}"), linear(f"{p}.{arch.down}"))
+        ffn = FeedForward(args, linear(f"{p}.{arch.gate}", f"{p}.{arch.up}", perm=r4_perm), linear(f"{p}.{arch.down}"),
+                          make_r4())
         block = Block(args, attention, ffn)
         block.attention_norm = norm(f"{p}.{arch.attn_norm}", args.dim)
         block.ffn_norm = norm(f"{p}.{arch.mlp_norm}", args.dim)

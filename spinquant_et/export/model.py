@@ -207,7 +207,9 @@ class Attention(nn.Module):
         # slices of a single XNNPACK partition and the partitioner fails with a dependency cycle.
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm, self.k_norm = q_norm, k_norm
-        self.r3 = HadamardTransform(args.head_dim).float() if args.rotated else None
+        # R3 leaves Q K^T unchanged, so it only matters when the cache is quantized: with a float
+        # cache it would be two matmuls per layer that change nothing.
+        self.r3 = HadamardTransform(args.head_dim).float() if args.rotated and args.kv_bits < 16 else None
         self.cache = KVCache(args)
         self.n_rep = args.n_heads // args.n_kv_heads
         self.scale = args.head_dim**-0.5
@@ -237,12 +239,34 @@ class Attention(nn.Module):
         return self.wo(out)
 
 
+class TransposedInputKronHadamard(nn.Module):
+    """R4 for ``n = a * b`` with one transpose: ``x`` arrives in ``(b, a)`` channel order (gate/up rows
+    were permuted offline by ``input_permutation``), H_a is applied on the last axis, one transpose
+    restores ``(a, b)`` order, H_b goes on the last axis. Output: ``H x`` in the natural order."""
+
+    def __init__(self, factors: tuple[int, int]):
+        super().__init__()
+        self.a, self.b = factors
+        full = HadamardTransform(self.a * self.b)
+        self.register_buffer("ha", full.h0.float(), persistent=False)
+        self.register_buffer("hb", full.h1.float(), persistent=False)
+
+    @staticmethod
+    def input_permutation(a: int, b: int) -> torch.Tensor:
+        """New channel ``j = i2 * a + i1`` holds old channel ``i1 * b + i2``."""
+        return torch.arange(a * b).view(a, b).t().reshape(-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.reshape(-1, self.b, self.a), self.ha).transpose(1, 2)
+        return F.linear(y, self.hb).reshape(1, -1, self.a * self.b)
+
+
 class FeedForward(nn.Module):
-    def __init__(self, args: ExportArgs, w13, w2):
+    def __init__(self, args: ExportArgs, w13, w2, r4: nn.Module | None = None):
         super().__init__()
         self.hidden_dim = args.hidden_dim
         self.w13, self.w2 = w13, w2  # gate and up stacked (one kernel), down (Meta names w1, w3, w2)
-        self.r4 = HadamardTransform(args.hidden_dim).float() if args.rotated else None
+        self.r4 = r4
 
     def forward(self, x):
         gate_up = self.w13(x)
