@@ -109,3 +109,12 @@ def test_help_explains_every_flag(capsys):
     out = capsys.readouterr().out
     for flag in ("--rotation", "--w-bits", "--group-size", "--no-clip", "--a-bits", "--kv-bits", "--out", "--force"):
         assert flag in out
+
+
+def test_hub_id_without_a_hub_is_a_clear_error(capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # never touch the network from a test
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code, _, err = run(capsys, "eval", "--model", "someorg/not-a-model")
+    assert_one_line_error(code, err, r"could not fetch 'someorg/not-a-model' from the hub .*pass a local directory")

@@ -88,8 +88,8 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         if len({None if s is None else s.shape[1] for s in scales}) != 1:
             raise SpinQuantError(f"{', '.join(names)} are quantized differently; re-run quantize")
         bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, weights)])
-        return make_linear(args, torch.cat(weights), None if scales[0] is None else torch.cat(scales), bias)
+            [b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, weights, strict=True)])
+        return make_linear(torch.cat(weights), None if scales[0] is None else torch.cat(scales), bias)
 
     def norm(name: str, dim: int) -> RMSNorm:
         n = RMSNorm(dim, args.norm_eps).requires_grad_(False)
@@ -118,7 +118,7 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         embedding = Int8Embedding(emb_w, emb_s)
     head_w = _need(tensors, f"{arch.lm_head}.weight")
     head_s = tensors.get(f"{arch.lm_head}.scales")
-    output = Int8DynActInt8WeightLinear(head_w, head_s) if head_s is not None else make_linear(args, head_w, None, None)
+    output = Int8DynActInt8WeightLinear(head_w, head_s) if head_s is not None else make_linear(head_w, None, None)
     cos, sin = rope_tables(config, max_seq_len)
     model = Transformer(args, embedding, layers, output, cos, sin)
     model.norm = norm(arch.final_norm, args.dim)

@@ -127,7 +127,7 @@ class Int8Embedding(nn.Module):
         return F.embedding(tokens, self.weight).to(torch.float32) * F.embedding(tokens, self.scales)
 
 
-def make_linear(args: ExportArgs, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> nn.Module:
+def make_linear(weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> nn.Module:
     """8da4w (integers kept as given) when quantized, else a float linear."""
     if scales is None:
         lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None).requires_grad_(False)

@@ -52,7 +52,7 @@ def rotate_model(model: nn.Module, arch: ArchSpec, r1: torch.Tensor, r2: list[to
     head = model.get_submodule(arch.lm_head)
     _set(head, "weight", head.weight.double() @ r1)
     h4 = HadamardTransform(cfg.intermediate_size).double() if r4 else None
-    for layer, r2_l in zip(model.get_submodule(arch.layers), r2):
+    for layer, r2_l in zip(model.get_submodule(arch.layers), r2, strict=True):
         r2_l = r2_l.double()
         for name in arch.residual_readers:
             lin = layer.get_submodule(name)
