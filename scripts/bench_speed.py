@@ -36,7 +36,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

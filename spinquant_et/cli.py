@@ -14,6 +14,8 @@ from .recipe import NO_QUANT, QuantRecipe
 
 log = logging.getLogger("spinquant_et")
 
+DEFAULT_MAX_SEQ_LEN = 512  # = spinquant_et.export.pipeline.DEFAULT_MAX_SEQ_LEN (not imported: it pulls in torch)
+
 MODEL_HELP = (
     "an HF model directory, a .gguf file, a quantized checkpoint directory (from `quantize`), "
     "a hub id (needs network) or the built-in alias smollm2-135m"
@@ -97,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "tokenizer.json beside it.")
     x.add_argument("--model", required=True, help=MODEL_HELP)
     _add_recipe_flags(x)
-    x.add_argument("--max-seq-len", type=int, default=1024,
-                   help="KV cache length = the longest prompt + generation (default 1024)")
+    x.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
+                   help="KV cache length = the longest prompt + generation. Every decode step attends over "
+                   f"the whole cache, so shorter is faster (default {DEFAULT_MAX_SEQ_LEN})")
     x.add_argument("--ops", choices=["portable"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime (default)")
     x.add_argument("--out", required=True, help="the .pte to write (atomically)")

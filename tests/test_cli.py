@@ -118,3 +118,10 @@ def test_hub_id_without_a_hub_is_a_clear_error(capsys, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     code, _, err = run(capsys, "eval", "--model", "someorg/not-a-model")
     assert_one_line_error(code, err, r"could not fetch 'someorg/not-a-model' from the hub .*pass a local directory")
+
+
+def test_cli_default_context_matches_the_export_default():
+    from spinquant_et import cli
+    from spinquant_et.export import pipeline
+
+    assert cli.DEFAULT_MAX_SEQ_LEN == pipeline.DEFAULT_MAX_SEQ_LEN

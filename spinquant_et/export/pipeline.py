@@ -19,7 +19,7 @@ from .lower import lower_to_pte, metadata_methods
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEQ_LEN = 1024
+DEFAULT_MAX_SEQ_LEN = 512
 
 
 @dataclass
