@@ -33,13 +33,8 @@ RECIPE = "recipe.json"
 def save_quantized(qm: QuantizedModel, out: str | Path, force: bool = False) -> Path:
     """Write ``qm`` to ``out`` atomically (refuses an existing ``out`` unless ``force``)."""
     model = qm.loaded.model
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    for key in qm.qtensors:
-        if key.endswith(".weight"):
-            tensors.pop(key, None)
-    tensors.update({k: v.contiguous() for k, v in qm.qtensors.items()})
     with atomic_output_dir(out, force) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt", "spinquant_et": "1"})
+        save_file(qm.checkpoint_tensors(), str(tmp / WEIGHTS), metadata={"format": "pt", "spinquant_et": "1"})
         model.config.save_pretrained(tmp)
         qm.loaded.tokenizer.save_pretrained(tmp)
         (tmp / RECIPE).write_text(qm.recipe.to_json())

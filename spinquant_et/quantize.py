@@ -31,6 +31,12 @@ class QuantizedModel:
     recipe: QuantRecipe
     qtensors: dict[str, torch.Tensor] = field(default_factory=dict)  # "<name>.weight" int8, "<name>.scales" fp32
 
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: the float state dict with quantized weights replaced by ints + scales."""
+        tensors = {k: v.detach().contiguous() for k, v in self.loaded.model.state_dict().items()}
+        tensors.update({k: v.contiguous() for k, v in self.qtensors.items()})
+        return tensors
+
 
 def linear_input_dims(loaded: LoadedModel) -> dict[str, int]:
     """``{module name: in_features}`` of every decoder-layer linear (what a group size must divide)."""

@@ -178,3 +178,14 @@ def test_a_file_that_is_not_a_program(tmp_path, capsys):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert main(["generate", str(bad), "--prompt", "hi"]) == 2
     assert "is not an ExecuTorch program" in capsys.readouterr().err
+
+
+def test_export_straight_from_a_float_model(tiny_hf_dir, tmp_path):
+    """`export --model <HF dir>` quantizes in memory with the recipe flags, then lowers."""
+    from spinquant_et.runtime import PteModel, generate
+
+    out = tmp_path / "direct.pte"
+    assert main(["export", "--model", str(tiny_hf_dir["qwen3"]), "--max-seq-len", "64", "--out", str(out)]) == 0
+    ids, stats = generate(PteModel(out), [5, 6, 7, 8], 8, stop_at_eos=False)
+    assert len(ids) == 8 and stats.prompt_tokens == 4
+    assert json.loads((tmp_path / "direct.recipe.json").read_text())["rotation"] == "hadamard"

@@ -19,7 +19,7 @@ def test_round_trip_and_reference_key_names(tmp_path):
     raw = torch.load(path, weights_only=True)
     assert set(raw) == {"R1", r2_key(0), r2_key(1)} and raw["R1"].dtype == torch.float32
     l1, l2 = load_rotations(path, cfg)
-    assert torch.allclose(l1, r1, atol=1e-6) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(l2, r2))
+    assert torch.allclose(l1, r1, atol=1e-6) and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(l2, r2, strict=True))
 
 
 def test_rbin_rotation_preserves_logits(tmp_path):

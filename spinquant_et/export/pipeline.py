@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
 from ..errors import SpinQuantError
 from ..models.arch import arch_for
@@ -32,13 +31,6 @@ class ExportResult:
     @property
     def size_bytes(self) -> int:
         return self.pte.stat().st_size
-
-
-def quantized_tensors(model: torch.nn.Module, qtensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors: float state dict with quantized weights replaced by ints + scales."""
-    tensors = {k: v.detach() for k, v in model.state_dict().items()}
-    tensors.update(qtensors)
-    return tensors
 
 
 def _load_checkpoint_dir(path: Path):
@@ -100,7 +92,7 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
         seconds["load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         qm = quantize(loaded, recipe)
-        tensors, config, arch, tokenizer = quantized_tensors(loaded.model, qm.qtensors), loaded.model.config, loaded.arch, loaded.tokenizer
+        tensors, config, arch, tokenizer = qm.checkpoint_tensors(), loaded.model.config, loaded.arch, loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len)
