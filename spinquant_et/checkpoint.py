@@ -41,9 +41,9 @@ def save_quantized(qm: QuantizedModel, out: str | Path, force: bool = False) -> 
     return Path(out)
 
 
-def load_quantized(path: str | Path) -> LoadedModel:
-    """Rebuild the fake-quant model of a checkpoint directory (weights dequantized, online parts attached)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def read_checkpoint(path: str | Path):
+    """``(tensors, config, arch, recipe)`` of a checkpoint directory, tensors as stored (ints + scales)."""
+    from transformers import AutoConfig
 
     path = Path(path)
     recipe = QuantRecipe.from_json((path / RECIPE).read_text())
@@ -53,6 +53,15 @@ def load_quantized(path: str | Path) -> LoadedModel:
         tensors = load_file(str(path / WEIGHTS))
     except (SafetensorError, FileNotFoundError, OSError) as e:
         raise SpinQuantError(f"cannot read {path / WEIGHTS} ({e}); re-run quantize") from None
+    return tensors, config, arch, recipe
+
+
+def load_quantized(path: str | Path) -> LoadedModel:
+    """Rebuild the fake-quant model of a checkpoint directory (weights dequantized, online parts attached)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    tensors, config, arch, recipe = read_checkpoint(path)
     state = {k: v for k, v in tensors.items() if not k.endswith(".scales")}
     for key, scales in tensors.items():
         if key.endswith(".scales"):

@@ -11,7 +11,6 @@ from pathlib import Path
 
 
 from ..errors import SpinQuantError
-from ..models.arch import arch_for
 from ..recipe import QuantRecipe
 from .build import build_transformer, check_exportable
 from .lower import lower_to_pte, metadata_methods
@@ -34,20 +33,12 @@ class ExportResult:
 
 
 def _load_checkpoint_dir(path: Path):
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    from ..checkpoint import RECIPE, WEIGHTS
+    from ..checkpoint import read_checkpoint
     from ..models.load import _load_tokenizer
 
-    recipe = QuantRecipe.from_json((path / RECIPE).read_text())
+    tensors, config, arch, recipe = read_checkpoint(path)
     check_exportable(recipe)
-    config = AutoConfig.from_pretrained(path)
-    try:
-        tensors = load_file(str(path / WEIGHTS))
-    except Exception as e:
-        raise SpinQuantError(f"cannot read {path / WEIGHTS} ({e}); re-run quantize") from None
-    return tensors, config, arch_for(config.model_type), recipe, _load_tokenizer(str(path))
+    return tensors, config, arch, recipe, _load_tokenizer(str(path))
 
 
 def eos_ids(tokenizer, config) -> list[int]:

@@ -12,7 +12,7 @@ import importlib.metadata
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,6 @@ class LoadedModel:
     arch: ArchSpec
     source: str
     recipe: Any = None  # a QuantRecipe when loaded from a quantized checkpoint directory
-    extra: dict = field(default_factory=dict)
 
 
 def alias_path(alias: str) -> Path:
