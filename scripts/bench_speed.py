@@ -3,9 +3,10 @@
 
     python scripts/bench_speed.py --model smollm2-135m --out-dir bench_out [--reuse]
 
-Variants: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default).
-Each row: export seconds, file size, prefill and decode tokens/s (median of --repeats), and the
-ratio of each to the 8da4w no-rotation baseline, so the online Hadamards' cost reads directly.
+Variants: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default),
+and the same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops). Each row: export
+seconds, file size, prefill and decode tokens/s (median of --repeats), and the ratio of each to
+the 8da4w no-rotation baseline, so the online Hadamards' cost reads directly.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from spinquant_et.export.pipeline import export  # noqa: E402
 from spinquant_et.recipe import QuantRecipe  # noqa: E402
 from spinquant_et.runtime import PteModel, generate  # noqa: E402
 
-VARIANTS = {
-    "fp32": QuantRecipe(rotation="none", w_bits=16, a_bits=16, embedding_bits=16, lm_head_bits=16),
-    "8da4w": QuantRecipe(rotation="none"),
-    "8da4w + R1-R4": QuantRecipe(rotation="hadamard"),
+VARIANTS = {  # name: (recipe, --ops)
+    "fp32": (QuantRecipe(rotation="none", w_bits=16, a_bits=16, embedding_bits=16, lm_head_bits=16), "portable"),
+    "8da4w": (QuantRecipe(rotation="none"), "portable"),
+    "8da4w + R1-R4": (QuantRecipe(rotation="hadamard"), "portable"),
+    "8da4w + R1-R4, et-llama ops": (QuantRecipe(rotation="hadamard"), "et-llama"),
 }
 BASELINE = "8da4w"
 
@@ -41,17 +43,20 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--reuse", action="store_true", help="bench existing .pte files instead of re-exporting")
+    p.add_argument("--only", nargs="+", choices=list(VARIANTS), help="bench these variants (default: all)")
     args = p.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     rows = {}
-    for name, recipe in VARIANTS.items():
-        pte = out_dir / (name.replace(" ", "").replace("+", "_") + ".pte")
+    for name, (recipe, ops) in VARIANTS.items():
+        if args.only and name not in args.only and name != BASELINE:
+            continue
+        pte = out_dir / (name.replace(" ", "").replace("+", "_").replace(",", "_") + f"-{args.max_seq_len}.pte")
         export_s = float("nan")
         if not (args.reuse and pte.exists()):
             t0 = time.perf_counter()
-            export(args.model, recipe, pte, args.max_seq_len, force=True)
+            export(args.model, recipe, pte, args.max_seq_len, force=True, ops=ops)
             export_s = time.perf_counter() - t0
         model = PteModel(pte)
         from transformers import AutoTokenizer

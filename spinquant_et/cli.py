@@ -102,10 +102,23 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
                    help="KV cache length = the longest prompt + generation. Every decode step attends over "
                    f"the whole cache, so shorter is faster (default {DEFAULT_MAX_SEQ_LEN})")
-    x.add_argument("--ops", choices=["portable"], default="portable",
-                   help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime (default)")
+    x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
+                   help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
+                   "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "
+                   "attend only up to the current position (faster decode at long --max-seq-len), but the "
+                   "runtime must link ExecuTorch's custom-ops library; float KV cache only")
     x.add_argument("--out", required=True, help="the .pte to write (atomically)")
     x.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+
+    c = sub.add_parser("convert", help="quantized checkpoint -> ExecuTorch's pre-quantized Llama checkpoint",
+                       description="Write consolidated.00.pth (Meta key names and RoPE layout, int8 tensors holding "
+                       "int4 values with fp32 .scales, int8 embeddings and output) and params.json, the input of "
+                       "ExecuTorch's own export_llama: --checkpoint OUT/consolidated.00.pth --params "
+                       "OUT/params.json --preq_mode 8da4w_output_8da8w --preq_group_size G "
+                       "--preq_embedding_quantize 8,0 --use_spin_quant native. The integers are copied as they are.")
+    c.add_argument("checkpoint", help="a checkpoint directory written by `quantize`")
+    c.add_argument("--out", required=True, help="output directory (written atomically)")
+    c.add_argument("--force", action="store_true", help="overwrite --out if it exists")
 
     g = sub.add_parser("generate", help="stream text from a .pte",
                        description="Prefill the prompt, decode with the program's KV cache, stream text to stdout; "
@@ -132,12 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_quantize(args) -> int:
+    from pathlib import Path
+
     from .checkpoint import save_quantized
     from .io import refuse_existing
     from .models import load_model
     from .quantize import quantize
-
-    from pathlib import Path
 
     recipe = _recipe(args)
     refuse_existing(Path(args.out), args.force)  # before minutes of work, not after
@@ -184,10 +197,18 @@ def cmd_eval_pte(args) -> int:
 def cmd_export(args) -> int:
     from .export.pipeline import export
 
-    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force)
+    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops)
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .export.convert import CHECKPOINT, PARAMS, convert
+
+    out = convert(args.checkpoint, args.out, args.force)
+    print(f"wrote {out / CHECKPOINT} and {out / PARAMS}")
     return 0
 
 
@@ -279,7 +300,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export, "generate": cmd_generate,
+COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "generate": cmd_generate,
             "bench": cmd_bench}
 RUNS_PTE = ("generate", "bench")
 

@@ -51,8 +51,8 @@ class PteModel:
         import torch  # noqa: F401  (loads libtorch before ExecuTorch's extensions)
 
         try:  # kernels some programs need; ours need only XNNPACK, but stock et-llama programs use these
-            import executorch.kernels.quantized  # noqa: F401
             import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+            import executorch.kernels.quantized  # noqa: F401
         except Exception as e:  # pragma: no cover - depends on the wheel
             log.debug("optional ExecuTorch kernels not loaded: %s", e)
         from executorch.runtime import Runtime

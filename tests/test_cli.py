@@ -16,7 +16,7 @@ def run(capsys, *argv):
 def assert_one_line_error(code, err, pattern):
     import re
 
-    lines = [l for l in err.splitlines() if l.startswith("error:")]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and len(lines) == 1 and re.search(pattern, lines[0]), err
 
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from spinquant_et.online import QuantLinear
 from spinquant_et.quantize import quantize
 from spinquant_et.recipe import QuantRecipe
-from tiny import tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 FLOAT = dict(w_bits=16, a_bits=16, kv_bits=16, embedding_bits=16, lm_head_bits=16)

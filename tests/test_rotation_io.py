@@ -2,13 +2,13 @@
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from spinquant_et.errors import SpinQuantError
 from spinquant_et.quantize import quantize
 from spinquant_et.recipe import QuantRecipe
 from spinquant_et.rotation import random_rotations
 from spinquant_et.rotation.io import load_rotations, r2_key, save_rotations
-from tiny import tiny_model
 
 
 def test_round_trip_and_reference_key_names(tmp_path):

@@ -15,19 +15,19 @@ COMMON = dict(
 )
 
 
-def tiny_config(model_type: str, tie: bool = False):
+def tiny_config(model_type: str, tie: bool = False, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     cls = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
-    return cls(**COMMON, tie_word_embeddings=tie)
+    return cls(**{**COMMON, **overrides}, tie_word_embeddings=tie)
 
 
-def tiny_model(model_type: str = "llama", tie: bool = False, seed: int = 0) -> LoadedModel:
+def tiny_model(model_type: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> LoadedModel:
     """A random model whose norms and biases are non-trivial, so fusion and rotation are really tested."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tie), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tie, **overrides), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:

@@ -5,12 +5,22 @@ from __future__ import annotations
 import torch
 
 from ..errors import SpinQuantError
+from ..hadamard import HadamardTransform, hadamard_factors
 from ..models.arch import ArchSpec
 from ..recipe import NO_QUANT, QuantRecipe
 from ..rotation.apply import head_dim_of
-from ..hadamard import HadamardTransform, hadamard_factors
-from .model import (Attention, Block, ExportArgs, FeedForward, Int8DynActInt8WeightLinear, Int8Embedding, RMSNorm,
-                    TransposedInputKronHadamard, Transformer, make_linear)
+from .model import (
+    Attention,
+    Block,
+    ExportArgs,
+    FeedForward,
+    Int8DynActInt8WeightLinear,
+    Int8Embedding,
+    RMSNorm,
+    Transformer,
+    TransposedInputKronHadamard,
+    make_linear,
+)
 
 
 def check_exportable(recipe: QuantRecipe) -> None:
@@ -50,10 +60,23 @@ def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cos[0].float(), sin[0].float()
 
 
+OPS = ("portable", "et-llama")
+
+
+def check_ops(ops: str, recipe: QuantRecipe) -> None:
+    if ops not in OPS:
+        raise SpinQuantError(f"--ops must be one of {', '.join(OPS)}, got {ops!r}")
+    if ops == "et-llama":
+        if recipe.kv_bits != NO_QUANT:
+            raise SpinQuantError("--ops et-llama keeps a float KV cache; use --kv-bits 16, or --ops portable for int8")
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (registers llama::* for export)
+
+
 def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, recipe: QuantRecipe,
-                      max_seq_len: int) -> Transformer:
+                      max_seq_len: int, ops: str = "portable") -> Transformer:
     """The exportable model; quantized tensors are used as stored (``<name>.weight`` int8 + ``.scales``)."""
     check_exportable(recipe)
+    check_ops(ops, recipe)
     limit = getattr(config, "max_position_embeddings", None)
     if limit and max_seq_len > limit:
         raise SpinQuantError(f"--max-seq-len {max_seq_len} is beyond the model's limit of {limit}; use at most {limit}")
@@ -63,7 +86,7 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         n_kv_heads=config.num_key_value_heads, head_dim=head_dim_of(config), norm_eps=config.rms_norm_eps,
         max_seq_len=max_seq_len, w_bits=recipe.w_bits, group_size=recipe.group_size, a_bits=recipe.a_bits,
         kv_bits=recipe.kv_bits, lm_head_bits=recipe.lm_head_bits, embedding_bits=recipe.embedding_bits,
-        rotated=recipe.rotated, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm,
+        rotated=recipe.rotated, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, ops=ops,
     )
 
     # R4 with two Kronecker factors runs with one transpose if gate/up output rows are permuted
@@ -100,7 +123,9 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
     for i in range(args.n_layers):
         p = f"{arch.layers}.{i}"
         attn_mod = arch.q.rpartition(".")[0]
-        qk = (norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim)) if arch.qk_norm else (None, None)
+        qk = (None, None)
+        if arch.qk_norm:
+            qk = (norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim))
         attention = Attention(args, linear(f"{p}.{arch.q}"), linear(f"{p}.{arch.k}"), linear(f"{p}.{arch.v}"),
                               linear(f"{p}.{arch.o}"), *qk)
         ffn = FeedForward(args, linear(f"{p}.{arch.gate}", f"{p}.{arch.up}", perm=r4_perm), linear(f"{p}.{arch.down}"),

@@ -21,7 +21,7 @@ def metadata_methods(model: Transformer, bos_id: int | None, eos_ids: list[int])
         "get_max_seq_len": a.max_seq_len,
         "get_max_context_len": a.max_seq_len,
         "use_kv_cache": True,
-        "use_sdpa_with_kv_cache": False,
+        "use_sdpa_with_kv_cache": a.ops == "et-llama",
         "enable_dynamic_shape": True,
         "get_vocab_size": a.vocab_size,
         "get_n_layers": a.n_layers,

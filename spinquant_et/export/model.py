@@ -52,6 +52,7 @@ class ExportArgs:
     rotated: bool = True  # R3 and R4 online
     qkv_bias: bool = False
     qk_norm: bool = False
+    ops: str = "portable"  # "et-llama": ExecuTorch's llama::update_cache / llama::custom_sdpa (float cache)
 
 
 class RMSNorm(nn.Module):
@@ -159,7 +160,10 @@ class KVCache(nn.Module):
         super().__init__()
         # [kv_heads, max_seq, head_dim]: positions on dim 1, the layout ExecuTorch's in-place index_put_
         # kernel accepts (so a token's K/V is written in place, not a copy of the cache per step).
+        # et-llama: [1, max_seq, kv_heads, head_dim], the layout llama::update_cache/custom_sdpa take.
         shape = (args.n_kv_heads, args.max_seq_len, args.head_dim)
+        if args.ops == "et-llama":
+            shape = (1, args.max_seq_len, args.n_kv_heads, args.head_dim)
         self.quantized = args.kv_bits == 8
         dtype = torch.int8 if self.quantized else torch.float32
         self.register_buffer("k", torch.zeros(shape, dtype=dtype), persistent=False)
@@ -219,6 +223,8 @@ class Attention(nn.Module):
         return x * cos + F.linear(x, self.rot_half) * sin
 
     def forward(self, x, cos, sin, pos, mask):
+        if self.args.ops == "et-llama":
+            return self._forward_et_llama(x, cos, sin, pos)
         a = self.args
         hd, kvh = a.head_dim, a.n_kv_heads
         q = self.wq(x).view(1, -1, a.n_heads, hd)
@@ -237,6 +243,26 @@ class Attention(nn.Module):
         out = torch.bmm(torch.softmax(scores, dim=-1), values)
         out = out.view(kvh, self.n_rep, -1, hd).permute(2, 0, 1, 3).reshape(1, -1, a.n_heads * hd)
         return self.wo(out)
+
+    def _forward_et_llama(self, x, cos, sin, pos):
+        """ExecuTorch's custom ops: the cache update is in place and attention stops at the current
+        position instead of reading the whole cache (float cache only; R3 is then not needed)."""
+        a = self.args
+        hd = a.head_dim
+        q = self.wq(x).view(1, -1, a.n_heads, hd)  # [1, t, heads, hd]: the custom ops' layout
+        k = self.wk(x).view(1, -1, a.n_kv_heads, hd)
+        v = self.wv(x).view(1, -1, a.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [t, 1, hd]
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        start = pos[0].item()
+        torch._check_is_size(start)
+        torch._check(start < a.max_seq_len)
+        torch.ops.llama.update_cache(k, self.cache.k, start)
+        torch.ops.llama.update_cache(v, self.cache.v, start)
+        out = torch.ops.llama.custom_sdpa(q, self.cache.k, self.cache.v, start, None, 0, True)  # GQA inside
+        return self.wo(out.reshape(1, -1, a.n_heads * hd))
 
 
 class TransposedInputKronHadamard(nn.Module):

@@ -9,10 +9,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from ..errors import SpinQuantError
 from ..recipe import QuantRecipe
-from .build import build_transformer, check_exportable
+from .build import build_transformer, check_exportable, check_ops
 from .lower import lower_to_pte, metadata_methods
 
 log = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ def write_tokenizer(tokenizer, directory: Path) -> Path:
 
 
 def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-           force: bool = False) -> ExportResult:
+           force: bool = False, ops: str = "portable") -> ExportResult:
     """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``."""
     from ..io import refuse_existing
 
@@ -79,6 +78,7 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
 
         recipe = recipe or QuantRecipe()
         check_exportable(recipe)  # before minutes of quantization
+        check_ops(ops, recipe)
         loaded = load_model(model)
         seconds["load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -86,10 +86,11 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
         tensors, config, arch, tokenizer = qm.checkpoint_tensors(), loaded.model.config, loaded.arch, loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    transformer = build_transformer(tensors, config, arch, recipe, max_seq_len)
+    transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
     seconds["build"] = time.perf_counter() - t0
     bos = tokenizer.bos_token_id
     seconds.update(lower_to_pte(transformer, out, metadata_methods(transformer, bos, eos_ids(tokenizer, config)), force))
     tok_path = write_tokenizer(tokenizer, out.parent)
-    (out.parent / f"{out.stem}.recipe.json").write_text(json.dumps({**json.loads(recipe.to_json()), "max_seq_len": max_seq_len}, indent=2))
+    sidecar = {**json.loads(recipe.to_json()), "max_seq_len": max_seq_len, "ops": ops}
+    (out.parent / f"{out.stem}.recipe.json").write_text(json.dumps(sidecar, indent=2))
     return ExportResult(out, tok_path, recipe, seconds)
