@@ -54,14 +54,25 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
                    help=f"KV cache bits, per token and head; 16 = float (default {d.kv_bits})")
     p.add_argument("--embedding-bits", type=_bits, default=d.embedding_bits, help="embedding bits, per row (default 8)")
     p.add_argument("--lm-head-bits", type=_bits, default=d.lm_head_bits, help="lm_head bits, per row (default 8)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random Hadamard signs (default 0)")
+    p.add_argument("--w-method", choices=["rtn", "gptq"], default=d.w_method,
+                   help="rtn: round to nearest (with --no-clip unset, per-group clipping search); gptq: "
+                   "layer-by-layer error compensation on calibration text, same integer layout (default rtn)")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing Hessian diagonal")
+    p.add_argument("--calib-text", help="GPTQ calibration text: a UTF-8 file, 'wikitext2' (needs datasets and a hub), "
+                   "or default the built-in offline text (its calibration part)")
+    p.add_argument("--calib-samples", type=int, default=d.calib_samples,
+                   help=f"GPTQ calibration windows (default {d.calib_samples})")
+    p.add_argument("--calib-seq-len", type=int, default=d.calib_seq_len,
+                   help=f"tokens per GPTQ calibration window (default {d.calib_seq_len})")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random Hadamard signs and calibration windows (default 0)")
 
 
 def _recipe(args) -> QuantRecipe:
     return QuantRecipe(
         rotation=args.rotation, w_bits=args.w_bits, group_size=args.group_size, w_clip=args.w_clip,
         a_bits=args.a_bits, kv_bits=args.kv_bits, embedding_bits=args.embedding_bits,
-        lm_head_bits=args.lm_head_bits, seed=args.seed,
+        lm_head_bits=args.lm_head_bits, seed=args.seed, w_method=args.w_method, act_order=args.act_order,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
     )
 
 
@@ -156,7 +167,7 @@ def cmd_quantize(args) -> int:
     refuse_existing(Path(args.out), args.force)  # before minutes of work, not after
     t0 = time.perf_counter()
     loaded = load_model(args.model)
-    qm = quantize(loaded, recipe)
+    qm = quantize(loaded, recipe, calib_text=args.calib_text)
     out = save_quantized(qm, args.out, force=args.force)
     print(f"wrote {out} ({recipe.label()}) in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -197,7 +208,7 @@ def cmd_eval_pte(args) -> int:
 def cmd_export(args) -> int:
     from .export.pipeline import export
 
-    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops)
+    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops, args.calib_text)
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")

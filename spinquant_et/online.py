@@ -32,10 +32,14 @@ class QuantLinear(nn.Linear):
         self.a_bits = a_bits
         self.input_transform = input_transform
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def effective_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the weight multiplies: the transformed, quantized input (GPTQ's Hessian is built from it)."""
         if self.input_transform is not None:
             x = self.input_transform(x)
-        return F.linear(fake_quant_per_token(x, self.a_bits), self.weight, self.bias)
+        return fake_quant_per_token(x, self.a_bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.effective_input(x), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, a_bits={self.a_bits}"

@@ -63,13 +63,118 @@ def rotate(loaded: LoadedModel, recipe: QuantRecipe) -> None:
     rotate_model(loaded.model, loaded.arch, r1, r2, r4=True)
 
 
+def _store(module: torch.nn.Module, name: str, q: torch.Tensor, scales: torch.Tensor, qtensors: dict) -> None:
+    module.weight.data = dequantize_weight(q, scales).to(module.weight.dtype)
+    qtensors[f"{name}.weight"], qtensors[f"{name}.scales"] = q, scales
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the activations it needs are collected."""
+
+
+def _layer_inputs(loaded: LoadedModel, calibration: torch.Tensor) -> list[tuple[tuple, dict]]:
+    """The ``(args, kwargs)`` the first decoder layer receives for each calibration window."""
+    layers = loaded.model.get_submodule(loaded.arch.layers)
+    captured: list[tuple[tuple, dict]] = []
+
+    def catch(module, args, kwargs):
+        if not args:  # hidden states passed by keyword: make them the first positional argument
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("hidden_states"),)
+        captured.append((args, kwargs))
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for window in calibration:
+            try:
+                loaded.model(window[None], use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return captured
+
+
+def _run_layer(layer, args, kwargs) -> torch.Tensor:
+    out = layer(*args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _hessians(layer, names: tuple[str, ...], inputs) -> dict[str, torch.Tensor]:
+    """GPTQ Hessians of the linears ``names`` of ``layer`` over the calibration ``inputs``; each pass
+    stops after the last of them ran (the rest of the layer is not needed)."""
+    from .quant.gptq import HessianAccumulator
+
+    modules = {n: layer.get_submodule(n) for n in names}
+    acc = {n: HessianAccumulator(m.in_features) for n, m in modules.items()}
+
+    def collect(module, inp, out, name):
+        acc[name].add(module.effective_input(inp[0]))
+        if name == names[-1]:
+            raise _Stop
+
+    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: collect(mod, a, o, n)) for n, m in modules.items()]
+    try:
+        for args, kwargs in inputs:
+            try:
+                _run_layer(layer, args, kwargs)
+            except _Stop:
+                pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: a.h for n, a in acc.items()}
+
+
 @torch.no_grad()
-def quantize_weights(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = True) -> dict[str, torch.Tensor]:
-    """RTN(+clip) every decoder linear, int8 per-channel embeddings and lm_head; weights become dequantized floats."""
-    arch, model = loaded.arch, loaded.model
-    targets = [(n, recipe.w_bits, recipe.group_size, recipe.w_clip) for n in linear_input_dims(loaded)]
-    targets += [(arch.embed, recipe.embedding_bits, -1, False), (arch.lm_head, recipe.lm_head_bits, -1, False)]
+def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: torch.Tensor,
+                         progress: bool = True) -> dict[str, torch.Tensor]:
+    """GPTQ every decoder linear, layer by layer and, inside a layer, in dependency order (q/k/v, o,
+    gate/up, down): each Hessian comes from inputs computed with everything before already quantized,
+    activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run)."""
+    from .quant.gptq import gptq_quantize
+
+    arch = loaded.arch
+    layers = loaded.model.get_submodule(arch.layers)
+    inputs = _layer_inputs(loaded, calibration)
     qtensors: dict[str, torch.Tensor] = {}
+    steps = ((arch.q, arch.k, arch.v), (arch.o,), (arch.gate, arch.up), (arch.down,))
+    for i, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
+        for names in steps:
+            for n, h in _hessians(layer, names, inputs).items():
+                m = layer.get_submodule(n)
+                q, scales = gptq_quantize(m.weight, h, recipe.w_bits, recipe.group_size, clip=recipe.w_clip,
+                                          act_order=recipe.act_order)
+                _store(m, f"{arch.layers}.{i}.{n}", q, scales, qtensors)
+        inputs = [((_run_layer(layer, args, kwargs), *args[1:]), kwargs) for args, kwargs in inputs]
+    return qtensors
+
+
+def default_calibration(loaded: LoadedModel, recipe: QuantRecipe, text: str | None = None) -> torch.Tensor:
+    """``[calib_samples, calib_seq_len]`` windows of the calibration text (default: built-in, train part)."""
+    from .data import calibration_samples, load_text, tokenize
+    from .errors import SpinQuantError
+
+    if loaded.tokenizer is None:
+        raise SpinQuantError("GPTQ needs calibration text, and this model has no tokenizer; add tokenizer.json")
+    ids = tokenize(loaded.tokenizer, load_text(text, "train"))
+    return calibration_samples(ids, recipe.calib_seq_len, recipe.calib_samples, recipe.seed)
+
+
+@torch.no_grad()
+def quantize_weights(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = True,
+                     calibration: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Decoder linears by RTN(+clip) or GPTQ, int8 per-channel embeddings and lm_head; weights become
+    their dequantized floats. GPTQ needs ``calibration`` token windows and the online parts attached."""
+    arch, model = loaded.arch, loaded.model
+    qtensors: dict[str, torch.Tensor] = {}
+    targets = []
+    if recipe.w_bits < NO_QUANT and recipe.w_method == "gptq":
+        qtensors.update(gptq_quantize_layers(loaded, recipe, calibration, progress))
+    else:
+        targets = [(n, recipe.w_bits, recipe.group_size, recipe.w_clip) for n in linear_input_dims(loaded)]
+    targets += [(arch.embed, recipe.embedding_bits, -1, False), (arch.lm_head, recipe.lm_head_bits, -1, False)]
     for name, bits, group_size, clip in tqdm(targets, desc="quantize weights", disable=not progress):
         if bits >= NO_QUANT:
             continue
@@ -78,16 +183,21 @@ def quantize_weights(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = 
             q, scales = rtn_quantize(module.weight, bits, group_size, clip=True)
         else:
             q, scales = quantize_weight(module.weight, bits, group_size)
-        module.weight.data = dequantize_weight(q, scales).to(module.weight.dtype)
-        qtensors[f"{name}.weight"], qtensors[f"{name}.scales"] = q, scales
+        _store(module, name, q, scales, qtensors)
     return qtensors
 
 
-def quantize(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = True) -> QuantizedModel:
-    """Run the whole stage on ``loaded`` (modified in place) and return the quantized model."""
+def quantize(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = True,
+             calibration: torch.Tensor | None = None, calib_text: str | None = None) -> QuantizedModel:
+    """Run the whole stage on ``loaded`` (modified in place) and return the quantized model.
+
+    GPTQ calibrates on ``calibration`` windows if given, else on ``calib_text`` (default: built-in).
+    """
     recipe.check_dims(linear_input_dims(loaded))
     rotate(loaded, recipe)
-    qtensors = quantize_weights(loaded, recipe, progress)
-    attach_recipe(loaded.model, loaded.arch, recipe)
+    attach_recipe(loaded.model, loaded.arch, recipe)  # GPTQ sees the inputs inference will see
+    if recipe.w_method == "gptq" and recipe.w_bits < NO_QUANT and calibration is None:
+        calibration = default_calibration(loaded, recipe, calib_text)
+    qtensors = quantize_weights(loaded, recipe, progress, calibration)
     loaded.recipe = recipe
     return QuantizedModel(loaded, recipe, qtensors)

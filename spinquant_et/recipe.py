@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import SpinQuantError
 
 ROTATIONS = ("none", "hadamard")
-W_METHODS = ("rtn",)
+W_METHODS = ("rtn", "gptq")
 NO_QUANT = 16  # bits value meaning "keep float"
 
 
@@ -36,6 +36,9 @@ class QuantRecipe:
     embedding_bits: int = 8
     lm_head_bits: int = 8
     seed: int = 0
+    act_order: bool = False  # GPTQ: visit columns by decreasing Hessian diagonal
+    calib_samples: int = 32  # GPTQ calibration windows ...
+    calib_seq_len: int = 512  # ... of this many tokens
 
     def __post_init__(self):
         for name in ("w_bits", "a_bits", "kv_bits", "embedding_bits", "lm_head_bits"):
@@ -44,6 +47,9 @@ class QuantRecipe:
                 raise SpinQuantError(f"{name.replace('_', '-')} must be 2..8 or 16 (float), got {bits}")
         if self.group_size == 0 or self.group_size < -1:
             raise SpinQuantError(f"group size must be positive or -1 (per channel), got {self.group_size}")
+        if self.calib_samples < 1 or self.calib_seq_len < 2:
+            raise SpinQuantError(f"--calib-samples must be >= 1 and --calib-seq-len >= 2, got {self.calib_samples}, "
+                                 f"{self.calib_seq_len}")
         if self.w_method not in W_METHODS:
             raise SpinQuantError(f"unknown weight method {self.w_method!r}; choose one of {', '.join(W_METHODS)}")
         if self.rotation not in ROTATIONS and not Path(self.rotation).suffix == ".bin":

@@ -61,7 +61,7 @@ def write_tokenizer(tokenizer, directory: Path) -> Path:
 
 
 def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-           force: bool = False, ops: str = "portable") -> ExportResult:
+           force: bool = False, ops: str = "portable", calib_text: str | None = None) -> ExportResult:
     """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``."""
     from ..io import refuse_existing
 
@@ -82,7 +82,7 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
         loaded = load_model(model)
         seconds["load"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        qm = quantize(loaded, recipe)
+        qm = quantize(loaded, recipe, calib_text=calib_text)
         tensors, config, arch, tokenizer = qm.checkpoint_tensors(), loaded.model.config, loaded.arch, loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
