@@ -121,6 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", required=True, help="the .pte to write (atomically)")
     x.add_argument("--force", action="store_true", help="overwrite --out if it exists")
 
+    o = sub.add_parser("optimize", help="learn R1/R2 with Cayley SGD (SpinQuant); write an R.bin",
+                       description="Learn R1 and one R2 per layer, starting from random Hadamards, by Cayley SGD on "
+                       "the next-token loss of the fake-quantized model (frozen weights, straight-through "
+                       "estimators, cosine schedule). Writes OUT (R.bin, reference key names) and OUT.loss.json; "
+                       "checkpoints to OUT.ckpt. Under torchrun the batch is split over processes (gloo or nccl). "
+                       "Then: quantize --rotation OUT.")
+    o.add_argument("--model", required=True, help=MODEL_HELP)
+    o.add_argument("--out", required=True, help="the R.bin to write")
+    o.add_argument("--w-bits", type=_bits, default=16, help="weight bits during training, 16 = float (default 16)")
+    o.add_argument("--a-bits", type=_bits, default=4, help="activation bits during training (default 4)")
+    o.add_argument("--kv-bits", type=_bits, default=4, help="K/V bits during training (default 4)")
+    o.add_argument("--group-size", type=int, default=32, help="weight group size when --w-bits < 16 (default 32)")
+    o.add_argument("--calib-text", help="UTF-8 file, 'wikitext2' (needs datasets and a hub), or default the built-in "
+                   "offline text (its calibration part)")
+    o.add_argument("--samples", type=int, default=128, help="calibration windows to draw batches from (default 128)")
+    o.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512; the reference uses 2048)")
+    o.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    o.add_argument("--lr", type=float, default=1.5, help="Cayley SGD learning rate, cosine-annealed (default 1.5)")
+    o.add_argument("--batch-size", type=int, default=1, help="windows per step, over all processes (default 1)")
+    o.add_argument("--seed", type=int, default=0, help="seed of the initial Hadamards and of the batches (default 0)")
+    o.add_argument("--device", default="auto", help="cpu, cuda or auto: cuda when available (default auto)")
+    o.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (default 10)")
+    o.add_argument("--resume", action="store_true", help="continue from OUT.ckpt exactly where it stopped")
+    o.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
     c = sub.add_parser("convert", help="quantized checkpoint -> ExecuTorch's pre-quantized Llama checkpoint",
                        description="Write consolidated.00.pth (Meta key names and RoPE layout, int8 tensors holding "
                        "int4 values with fp32 .scales, int8 embeddings and output) and params.json, the input of "
@@ -212,6 +237,50 @@ def cmd_export(args) -> int:
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")
+    return 0
+
+
+def cmd_optimize(args) -> int:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from .data import calibration_samples, load_text, tokenize
+    from .io import refuse_existing
+    from .models import load_model
+    from .rotation.learn import OptimizeConfig, optimize_rotations
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(args.out)
+    if not args.resume and rank == 0:
+        refuse_existing(out, args.force)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    try:
+        cfg = OptimizeConfig(a_bits=args.a_bits, kv_bits=args.kv_bits, w_bits=args.w_bits, group_size=args.group_size,
+                             steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
+                             checkpoint_every=args.checkpoint_every)
+        loaded = load_model(args.model)
+        ids = tokenize(loaded.tokenizer, load_text(args.calib_text, "train"))
+        samples = calibration_samples(ids, args.seq_len, args.samples, args.seed)
+        trainer = optimize_rotations(loaded, samples, out, cfg, args.device, args.resume, rank=rank, world=world)
+    finally:
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0:
+        first, last = trainer.losses[0], trainer.losses[-1]
+        print(f"wrote {out} after {trainer.step_done} steps (loss {first:.4f} -> {last:.4f}); "
+              f"use it with: quantize --rotation {out}")
     return 0
 
 
@@ -311,8 +380,8 @@ def cmd_eval(args) -> int:
     return 0
 
 
-COMMANDS = {"quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export, "convert": cmd_convert, "generate": cmd_generate,
-            "bench": cmd_bench}
+COMMANDS = {"optimize": cmd_optimize, "quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export,
+            "convert": cmd_convert, "generate": cmd_generate, "bench": cmd_bench}
 RUNS_PTE = ("generate", "bench")
 
 

@@ -41,3 +41,29 @@ def tiny_hf_dir(tmp_path_factory, tiny_tokenizer):
         tiny_tokenizer.save_pretrained(d)
         dirs[model_type] = d
     return dirs
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_dir(tmp_path_factory, tiny_tokenizer):
+    """A tiny Llama trained for ~15 s on the built-in text: unlike a random model, quantizing its
+    activations raises its loss, so methods that reduce quantization error (learned rotations,
+    GPTQ) have something measurable to reduce."""
+    import torch
+
+    from spinquant_et.data import builtin_text, calibration_samples, tokenize
+
+    ids = tokenize(tiny_tokenizer, builtin_text("train")[:400_000])
+    loaded = tiny_model("llama", seed=0)
+    model = loaded.model.train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    for step in range(100):
+        batch = calibration_samples(ids, 64, 16, seed=step)
+        loss = model(batch, labels=batch).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval().requires_grad_(False)
+    d = tmp_path_factory.mktemp("trained_tiny") / "llama"
+    model.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d

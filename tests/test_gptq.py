@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import tiny_model
 
 from spinquant_et.quant.gptq import HessianAccumulator, gptq_quantize
 from spinquant_et.quant.quantizer import dequantize_weight
 from spinquant_et.quant.rtn import rtn_quantize
 from spinquant_et.quantize import quantize
 from spinquant_et.recipe import QuantRecipe
-from tiny import tiny_model
 
 
 def _layer_problem(out_f=48, in_f=128, tokens=2048, seed=0):

@@ -41,35 +41,58 @@ def random_rotations(config, seed: int = 0) -> tuple[torch.Tensor, list[torch.Te
     return r1, [random_hadamard_matrix(hd, g) for _ in range(config.num_hidden_layers)]
 
 
+def rotated_layer_tensors(layer: nn.Module, arch: ArchSpec, r1: torch.Tensor, r2: torch.Tensor,
+                          head_dim: int) -> dict[str, torch.Tensor]:
+    """``{"<linear>.weight" | "<linear>.bias": rotated tensor}`` of one decoder layer (R1 and R2 rows
+    of the module table), computed in ``r1``'s dtype and differentiable in ``r1``/``r2``."""
+    dt = r1.dtype
+    out: dict[str, torch.Tensor] = {}
+
+    def get(name: str, attr: str = "weight") -> torch.Tensor | None:
+        key = f"{name}.{attr}"
+        if key in out:
+            return out[key]
+        t = getattr(layer.get_submodule(name), attr)
+        return None if t is None else t.to(dt)
+
+    for name in arch.residual_readers:
+        out[f"{name}.weight"] = get(name) @ r1
+    for name in arch.residual_writers:
+        out[f"{name}.weight"] = r1.T @ get(name)
+        if get(name, "bias") is not None:
+            out[f"{name}.bias"] = get(name, "bias") @ r1
+    w = get(arch.v)
+    out[f"{arch.v}.weight"] = (r2.T @ w.reshape(-1, head_dim, w.shape[1])).reshape(w.shape)
+    if get(arch.v, "bias") is not None:
+        out[f"{arch.v}.bias"] = (get(arch.v, "bias").reshape(-1, head_dim) @ r2).reshape(-1)
+    w = get(arch.o)
+    out[f"{arch.o}.weight"] = (w.reshape(w.shape[0], -1, head_dim) @ r2).reshape(w.shape)
+    return out
+
+
+def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    for key, value in tensors.items():
+        name, _, attr = key.rpartition(".")
+        _set(module.get_submodule(name), attr, value)
+
+
+@torch.no_grad()
+def apply_r4_weights(model: nn.Module, arch: ArchSpec) -> None:
+    """The offline half of R4: ``down_proj.weight <- W H4^T`` (its input gets ``x H4^T`` online)."""
+    h4 = HadamardTransform(model.config.intermediate_size).double()
+    for layer in model.get_submodule(arch.layers):
+        down = layer.get_submodule(arch.down)
+        _set(down, "weight", h4(down.weight.double()))
+
+
 @torch.no_grad()
 def rotate_model(model: nn.Module, arch: ArchSpec, r1: torch.Tensor, r2: list[torch.Tensor], r4: bool = True) -> None:
     """Rotate the weights of a norm-fused, untied model in place (see the module table)."""
-    cfg = model.config
-    hd = head_dim_of(cfg)
+    hd = head_dim_of(model.config)
     r1 = r1.double()
-    embed = model.get_submodule(arch.embed)
-    _set(embed, "weight", embed.weight.double() @ r1)
-    head = model.get_submodule(arch.lm_head)
-    _set(head, "weight", head.weight.double() @ r1)
-    h4 = HadamardTransform(cfg.intermediate_size).double() if r4 else None
+    for name in (arch.embed, arch.lm_head):
+        _set(model.get_submodule(name), "weight", model.get_submodule(name).weight.double() @ r1)
     for layer, r2_l in zip(model.get_submodule(arch.layers), r2, strict=True):
-        r2_l = r2_l.double()
-        for name in arch.residual_readers:
-            lin = layer.get_submodule(name)
-            _set(lin, "weight", lin.weight.double() @ r1)
-        for name in arch.residual_writers:
-            lin = layer.get_submodule(name)
-            _set(lin, "weight", r1.T @ lin.weight.double())
-            if lin.bias is not None:
-                _set(lin, "bias", lin.bias.double() @ r1)
-        v = layer.get_submodule(arch.v)
-        w = v.weight.double().view(-1, hd, v.in_features)  # [kv_heads, hd, hidden]
-        _set(v, "weight", (r2_l.T @ w).reshape(v.weight.shape))
-        if v.bias is not None:
-            _set(v, "bias", (v.bias.double().view(-1, hd) @ r2_l).reshape(-1))
-        o = layer.get_submodule(arch.o)
-        w = o.weight.double().view(o.out_features, -1, hd)  # [hidden, heads, hd]
-        _set(o, "weight", (w @ r2_l).reshape(o.weight.shape))
-        if h4 is not None:
-            down = layer.get_submodule(arch.down)
-            _set(down, "weight", h4(down.weight.double()))
+        _assign(layer, rotated_layer_tensors(layer, arch, r1, r2_l.double(), hd))
+    if r4:
+        apply_r4_weights(model, arch)
