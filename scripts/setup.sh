@@ -4,6 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Debian packages the C++ runner (runner/build.sh) builds with; installed when missing and root.
+missing=()
+for pkg in cmake g++ pkg-config libpcre2-dev nlohmann-json3-dev; do
+  dpkg -s "$pkg" > /dev/null 2>&1 || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" > /dev/null
+  else
+    echo "note: the C++ runner needs: sudo apt-get install ${missing[*]}" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip

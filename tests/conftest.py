@@ -67,3 +67,27 @@ def trained_tiny_dir(tmp_path_factory, tiny_tokenizer):
     model.save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
     return d
+
+
+TINY_MAX_SEQ = 96
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tiny_hf_dir, tmp_path_factory):
+    """Tiny Llama, W4A8 g32, Hadamard R1-R4, int8 KV cache: the checkpoint behind ``tiny_pte``."""
+    from spinquant_et.cli import main
+
+    out = tmp_path_factory.mktemp("ckpt") / "q"
+    flags = ["--rotation", "hadamard", "--w-bits", "4", "--group-size", "32", "--a-bits", "8", "--kv-bits", "8"]
+    assert main(["quantize", "--model", str(tiny_hf_dir["llama"]), *flags, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_pte(tiny_ckpt, tmp_path_factory):
+    """``tiny_ckpt`` lowered (portable ops), tokenizer.json beside it. Lowering takes ~40 s: shared."""
+    from spinquant_et.cli import main
+
+    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
+    assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(TINY_MAX_SEQ), "--out", str(out)]) == 0
+    return out

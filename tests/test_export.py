@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_MAX_SEQ as MAX_SEQ
 
 from spinquant_et.cli import main
 from spinquant_et.errors import SpinQuantError
@@ -15,23 +16,6 @@ from spinquant_et.export.build import build_transformer, check_exportable
 from spinquant_et.export.model import TransposedInputKronHadamard
 from spinquant_et.export.pipeline import _load_checkpoint_dir
 from spinquant_et.recipe import QuantRecipe
-
-RECIPE_FLAGS = ["--rotation", "hadamard", "--w-bits", "4", "--group-size", "32", "--a-bits", "8", "--kv-bits", "8"]
-MAX_SEQ = 96
-
-
-@pytest.fixture(scope="session")
-def tiny_ckpt(tiny_hf_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ckpt") / "q"
-    assert main(["quantize", "--model", str(tiny_hf_dir["llama"]), *RECIPE_FLAGS, "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_pte(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("pte") / "tiny.pte"
-    assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(MAX_SEQ), "--out", str(out)]) == 0
-    return out
 
 
 def _eager_transformer(ckpt):

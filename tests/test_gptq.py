@@ -89,3 +89,27 @@ def test_gptq_model_stays_closer_to_float_than_rtn(tiny_tokenizer):
             return ((loaded.model(test).logits - ref).norm() / ref.norm()).item()
 
     assert error("gptq") < 0.85 * error("rtn")
+
+
+def test_quantize_cli_with_gptq_records_the_method(tiny_hf_dir, tmp_path):
+    import json
+
+    from spinquant_et.cli import main
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(tiny_hf_dir["qwen2"]), "--w-method", "gptq", "--act-order",
+                 "--calib-samples", "4", "--calib-seq-len", "48", "--out", str(out)]) == 0
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert recipe["w_method"] == "gptq" and recipe["act_order"] and recipe["calib_samples"] == 4
+
+
+def test_reference_style_eval_script_runs(trained_tiny_dir, tmp_path):
+    """scripts/2_eval_ptq.sh MODEL W A KV: quantize with GPTQ, then print the perplexity table."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "2_eval_ptq.sh"
+    run = subprocess.run(["bash", str(script), str(trained_tiny_dir), "4", "8", "16"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "W4A8KV16-hadamard" in run.stdout and (tmp_path / "out" / "q_llama_W4A8KV16" / "recipe.json").is_file()

@@ -57,7 +57,27 @@ def write_tokenizer(tokenizer, directory: Path) -> Path:
     path = directory / "tokenizer.json"
     if not path.is_file():
         raise SpinQuantError("the tokenizer has no tokenizer.json form (a slow tokenizer?); ExecuTorch's runners need one")
+    chat = chat_prefix_suffix(tokenizer)
+    if chat:
+        (directory / CHAT_FILE).write_text(json.dumps({"prefix": chat[0], "suffix": chat[1]}, indent=2))
     return path
+
+
+CHAT_FILE = "chat.json"
+_PLACEHOLDER = "\x00PROMPT\x00"
+
+
+def chat_prefix_suffix(tokenizer) -> tuple[str, str] | None:
+    """The chat template rendered around one user message, as the text before and after it, so a
+    runner without a Jinja engine (the C++ one) wraps prompts exactly as ``apply_chat_template``."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _PLACEHOLDER}], add_generation_prompt=True,
+                                         tokenize=False)
+    if text.count(_PLACEHOLDER) != 1:
+        return None
+    prefix, suffix = text.split(_PLACEHOLDER)
+    return prefix, suffix
 
 
 def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,

@@ -1,0 +1,254 @@
+// spinquant-run: generate text with a spinquant-et .pte, with no Python and no libtorch.
+//
+//   spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt "..." [--chat]
+//                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads K]
+//                 [--ids] [--ignore-eos]
+//   spinquant-run --tokenizer tokenizer.json --encode FILE     (prints the token ids of FILE)
+//
+// Prefill runs the whole prompt in one forward call, then one token per call; the KV cache lives
+// in the program's mutable buffers. Text streams to stdout; time to first token, prefill and
+// decode tokens/s and peak RSS go to stderr. Errors are one line on stderr and exit code 2.
+
+#include <executorch/extension/module/module.h>
+#include <executorch/extension/tensor/tensor.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "tokenizer.h"
+
+// Declared here because the wheel ships the library but not threadpool.h (same signatures).
+namespace executorch::extension::threadpool {
+class ThreadPool {
+ public:
+  bool _unsafe_reset_threadpool(uint32_t num_threads);
+};
+ThreadPool* get_threadpool();
+}  // namespace executorch::extension::threadpool
+
+namespace {
+
+using executorch::extension::from_blob;
+using executorch::extension::Module;
+using executorch::runtime::Error;
+using executorch::runtime::EValue;
+using Clock = std::chrono::steady_clock;
+
+struct Fail : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Args {
+  std::string model, tokenizer, prompt, encode;
+  bool chat = false, ids = false, ignore_eos = false;
+  int max_new_tokens = 128, threads = 2;
+  double temperature = 0.0, top_p = 0.9;
+  uint64_t seed = 0;
+};
+
+const char* kUsage =
+    "usage: spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt TEXT [--chat]\n"
+    "                     [--max-new-tokens 128] [--temperature 0] [--top-p 0.9] [--seed 0] [--threads 2]\n"
+    "                     [--ids] [--ignore-eos]\n"
+    "       spinquant-run --tokenizer tokenizer.json --encode FILE\n"
+    "--tokenizer defaults to tokenizer.json beside the .pte; --chat wraps the prompt in the chat\n"
+    "template that `spinquant-et export` renders to chat.json beside it; --ids prints token ids\n"
+    "instead of text; temperature 0 is greedy.\n";
+
+Args parse(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i < argc; ++i) {
+    std::string k = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw Fail(k + " needs a value");
+      return argv[++i];
+    };
+    try {
+      if (k == "--model") a.model = value();
+      else if (k == "--tokenizer") a.tokenizer = value();
+      else if (k == "--prompt") a.prompt = value();
+      else if (k == "--encode") a.encode = value();
+      else if (k == "--chat") a.chat = true;
+      else if (k == "--ids") a.ids = true;
+      else if (k == "--ignore-eos") a.ignore_eos = true;
+      else if (k == "--max-new-tokens") a.max_new_tokens = std::stoi(value());
+      else if (k == "--threads") a.threads = std::stoi(value());
+      else if (k == "--temperature") a.temperature = std::stod(value());
+      else if (k == "--top-p") a.top_p = std::stod(value());
+      else if (k == "--seed") a.seed = std::stoull(value());
+      else if (k == "--help" || k == "-h") {
+        std::cout << kUsage;
+        std::exit(0);
+      } else {
+        throw Fail("unknown option " + k + " (see --help)");
+      }
+    } catch (const std::invalid_argument&) {
+      throw Fail(k + " needs a number");
+    }
+  }
+  if (a.encode.empty() && a.model.empty()) throw Fail("--model is required (see --help)");
+  if (a.tokenizer.empty() && !a.model.empty()) {
+    auto slash = a.model.find_last_of('/');
+    a.tokenizer = (slash == std::string::npos ? std::string() : a.model.substr(0, slash + 1)) + "tokenizer.json";
+  }
+  return a;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw Fail("cannot open " + path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+std::vector<int64_t> metadata_ints(Module& m, const std::string& name) {
+  std::vector<int64_t> out;
+  auto names = m.method_names();
+  if (!names.ok() || !names->count(name)) return out;
+  auto r = m.execute(name);
+  if (!r.ok()) return out;
+  for (const auto& v : *r) {
+    if (v.isInt()) out.push_back(v.toInt());
+    else if (v.isBool()) out.push_back(v.toBool());
+  }
+  return out;
+}
+
+size_t sample(const float* logits, size_t n, double temperature, double top_p, std::mt19937_64& rng) {
+  if (temperature <= 0) return std::max_element(logits, logits + n) - logits;
+  std::vector<double> p(n);
+  double mx = *std::max_element(logits, logits + n), sum = 0;
+  for (size_t i = 0; i < n; ++i) sum += p[i] = std::exp((logits[i] - mx) / temperature);
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p[a] > p[b]; });
+  double kept = 0;
+  size_t k = 0;
+  while (k < n && (k == 0 || kept < top_p * sum)) kept += p[order[k++]];
+  std::uniform_real_distribution<double> u(0, kept);
+  double r = u(rng);
+  for (size_t i = 0; i < k; ++i) {
+    r -= p[order[i]];
+    if (r <= 0) return order[i];
+  }
+  return order[k - 1];
+}
+
+double peak_rss_mib() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss / 1024.0;  // Linux reports KiB
+}
+
+int run(const Args& a) {
+  spinquant::Tokenizer tok = [&]() {
+    try {
+      return spinquant::Tokenizer(a.tokenizer);
+    } catch (const std::runtime_error& e) {
+      throw Fail(std::string("tokenizer: ") + e.what());
+    }
+  }();
+  if (!a.encode.empty()) {
+    for (int64_t id : tok.encode(read_file(a.encode))) std::cout << id << '\n';
+    return 0;
+  }
+  if (a.threads > 0) executorch::extension::threadpool::get_threadpool()->_unsafe_reset_threadpool(a.threads);
+
+  std::ifstream probe(a.model);
+  if (!probe) throw Fail(".pte not found: " + a.model);
+  Module module(a.model, Module::LoadMode::MmapUseMlockIgnoreErrors);
+  if (module.load() != Error::Ok) throw Fail(a.model + " is not an ExecuTorch program (corrupt or not a .pte); re-export it");
+  Error err = module.load_method("forward");
+  if (err == Error::OperatorMissing)
+    throw Fail(a.model + ": this runtime lacks operators the program needs (see 'Missing operator' above); "
+                         "re-export with --ops portable");
+  if (err != Error::Ok) throw Fail(a.model + ": cannot load its forward method (error " + std::to_string(int(err)) + ")");
+  auto max_len = metadata_ints(module, "get_max_seq_len");
+  const int64_t max_seq_len = max_len.empty() ? 128 : max_len[0];
+  auto eos_list = metadata_ints(module, "get_eos_ids");
+  std::set<int64_t> eos(eos_list.begin(), eos_list.end());
+
+  std::string prompt = a.prompt;
+  if (a.chat) {
+    auto slash = a.tokenizer.find_last_of('/');
+    std::string chat = (slash == std::string::npos ? std::string() : a.tokenizer.substr(0, slash + 1)) + "chat.json";
+    std::ifstream f(chat);
+    if (!f) throw Fail("no chat template (" + chat + "); drop --chat or re-export the model");
+    auto j = nlohmann::json::parse(f);
+    prompt = j.at("prefix").get<std::string>() + a.prompt + j.at("suffix").get<std::string>();
+  }
+  std::vector<int64_t> ids = tok.encode(prompt);
+  if (ids.empty()) throw Fail("the prompt is empty");
+  if (static_cast<int64_t>(ids.size()) > max_seq_len - 1)
+    throw Fail("the prompt has " + std::to_string(ids.size()) + " tokens but the program's context is " +
+               std::to_string(max_seq_len) + "; shorten it or re-export with a larger --max-seq-len");
+
+  std::mt19937_64 rng(a.seed);
+  spinquant::Utf8Streamer stream;
+  int64_t pos = 0;
+  std::vector<int64_t> input(ids);
+  auto t0 = Clock::now();
+  double ttft = 0, prefill_s = 0;
+  int generated = 0;
+  std::vector<int64_t> out_ids;
+  while (generated < a.max_new_tokens && pos + static_cast<int64_t>(input.size()) <= max_seq_len) {
+    auto t_step = Clock::now();
+    auto tokens = from_blob(input.data(), {1, static_cast<int>(input.size())}, executorch::aten::ScalarType::Long);
+    int64_t start = pos;
+    auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);
+    auto result = module.forward(std::vector<EValue>{EValue(*tokens), EValue(*start_pos)});
+    if (!result.ok()) throw Fail("forward failed at position " + std::to_string(pos) + " (error " +
+                                 std::to_string(int(result.error())) + ")");
+    const auto& logits = result->at(0).toTensor();
+    size_t vocab = logits.size(logits.dim() - 1);
+    size_t next = sample(logits.const_data_ptr<float>() + (logits.numel() - vocab), vocab, a.temperature, a.top_p, rng);
+    pos += input.size();
+    if (generated == 0) {
+      prefill_s = std::chrono::duration<double>(Clock::now() - t_step).count();
+      ttft = std::chrono::duration<double>(Clock::now() - t0).count();
+    }
+    ++generated;
+    out_ids.push_back(next);
+    if (a.ids) {
+      std::cout << next << (generated < a.max_new_tokens ? " " : "") << std::flush;
+    } else {
+      std::cout << stream.push(tok.token_bytes(next)) << std::flush;
+    }
+    if (!a.ignore_eos && eos.count(next)) break;
+    input.assign(1, static_cast<int64_t>(next));
+  }
+  std::cout << (a.ids ? "" : stream.flush()) << std::endl;
+  double total = std::chrono::duration<double>(Clock::now() - t0).count();
+  double decode_s = total - ttft;
+  int decoded = generated - 1;
+  fprintf(stderr, "ttft %.0f ms; prefill %zu tok at %.1f tok/s; decode %d tok at %.1f tok/s; peak RSS %.0f MiB\n",
+          ttft * 1000, ids.size(), ids.size() / std::max(prefill_s, 1e-9), decoded,
+          decoded > 0 ? decoded / std::max(decode_s, 1e-9) : 0.0, peak_rss_mib());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(parse(argc, argv));
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return 2;
+  }
+}

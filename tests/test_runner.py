@@ -1,0 +1,148 @@
+"""The C++ runner (runner/, built by runner/build.sh): its tokenizer equals HF `tokenizers`, its
+greedy tokens equal our Python runtime's, it needs neither libtorch nor libpython, and bad input
+gets one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+BINARY = ROOT / "runner" / "build" / "spinquant-run"
+
+# Unicode, code, whitespace runs, digits, contractions, emoji, combining marks, CJK, RTL text.
+MIXED_TEXT = (
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment\t\ttabs\n\n\n"
+    "Ünïcödé — “quotes” and 'apostrophes' don't, we'll, I'm; naïve café, 東京 and 北京 ¿qué? مرحبا\n"
+    "   leading spaces    and trailing   \r\n"
+    "Emoji: 🙂👍🏽 family: 👨‍👩‍👧 flags 🇫🇷 — math: ∑x² ≤ ∞, 3.14159, 1,000,000 and 2024-12-02.\n"
+    "e\u0301 (combining) ß ǅ ﬁ ＦＵＬＬＷＩＤＴＨ\u00a0nbsp \u200b zero-width\n"
+)
+
+
+def run(*args, timeout=300):
+    return subprocess.run([str(BINARY), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def runner_binary():
+    """Build from scratch once per session (CI has no prebuilt binary)."""
+    build = subprocess.run(["bash", str(ROOT / "runner" / "build.sh")], capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    assert BINARY.is_file()
+    return BINARY
+
+
+def long_mixed_text() -> str:
+    from spinquant_et.data import builtin_text
+
+    return (MIXED_TEXT + builtin_text("test")[:4000] + MIXED_TEXT) * 2  # ~11 kB
+
+
+def cpp_ids(tokenizer_json: Path, text: str, tmp_path: Path) -> list[int]:
+    f = tmp_path / "text.txt"
+    f.write_text(text, encoding="utf-8")
+    r = run("--tokenizer", tokenizer_json, "--encode", f)
+    assert r.returncode == 0, r.stderr
+    return [int(x) for x in r.stdout.split()]
+
+
+def hf_ids(tokenizer_json: Path, text: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(tokenizer_json)).encode(text, add_special_tokens=False).ids
+
+
+def test_tokenizer_equals_hf_tokenizers(runner_binary, tiny_pte, tmp_path):
+    tok = tiny_pte.parent / "tokenizer.json"
+    text = long_mixed_text() + "<|endoftext|>special<|endoftext|>"
+    assert len(text.encode()) > 8000
+    assert cpp_ids(tok, text, tmp_path) == hf_ids(tok, text)
+
+
+def test_tokenizer_with_split_and_digits_pre_tokenizers(runner_binary, tiny_tokenizer, tmp_path):
+    """Llama-3/Qwen-style files: Split(regex, Isolated) + ByteLevel(use_regex=false), and Digits."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from spinquant_et.data import builtin_text
+
+    pattern = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([builtin_text("train")[:100_000]], trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|begin_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    text = long_mixed_text()
+    assert cpp_ids(path, text, tmp_path) == hf_ids(path, text)
+
+
+def test_greedy_tokens_equal_the_python_runtime(runner_binary, tiny_pte):
+    from transformers import AutoTokenizer
+
+    from spinquant_et.runtime import PteModel, generate
+
+    tok = AutoTokenizer.from_pretrained(tiny_pte.parent)
+    prompt = "The data model of Python"
+    ours, _ = generate(PteModel(tiny_pte), tok.encode(prompt, add_special_tokens=False), 32, stop_at_eos=False)
+    r = run("--model", tiny_pte, "--prompt", prompt, "--max-new-tokens", 32, "--ids", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert [int(x) for x in r.stdout.split()] == ours
+    assert "decode 31 tok at" in r.stderr and "peak RSS" in r.stderr
+
+
+def test_text_output_streams_whole_characters(runner_binary, tiny_pte):
+    r = run("--model", tiny_pte, "--prompt", "Unicode: café 東京", "--max-new-tokens", 24)
+    assert r.returncode == 0, r.stderr
+    r.stdout.encode("utf-8")  # valid text (subprocess decoded it strictly as UTF-8)
+    assert r.stdout.strip()
+
+
+def test_no_libtorch_no_libpython(runner_binary):
+    ldd = subprocess.run(["ldd", str(runner_binary)], capture_output=True, text=True).stdout
+    libs = [line.split()[0] for line in ldd.splitlines() if line.strip()]  # names, not the paths they resolve to
+    assert "libexecutorch.so" in libs and "not found" not in ldd
+    assert not [lib for lib in libs if "libtorch" in lib or "libc10" in lib or "python" in lib], libs
+
+
+@pytest.mark.parametrize("case", ["missing", "corrupt", "tokenizer", "too_long", "chat"])
+def test_bad_input_is_one_line_and_nonzero(runner_binary, tiny_pte, tmp_path, case):
+    tok = tiny_pte.parent / "tokenizer.json"
+    if case == "missing":
+        r, expect = run("--model", tmp_path / "nope.pte", "--tokenizer", tok, "--prompt", "hi"), ".pte not found"
+    elif case == "corrupt":
+        bad = tmp_path / "bad.pte"
+        bad.write_bytes(b"not a program" * 100)
+        r, expect = run("--model", bad, "--tokenizer", tok, "--prompt", "hi"), "is not an ExecuTorch program"
+    elif case == "tokenizer":
+        bad = tmp_path / "tokenizer.json"
+        bad.write_text("{ this is not json")
+        r, expect = run("--model", tiny_pte, "--tokenizer", bad, "--prompt", "hi"), "is not valid JSON"
+    elif case == "too_long":
+        r, expect = run("--model", tiny_pte, "--prompt", "word " * 400), "but the program's context is 96"
+    else:
+        r, expect = run("--model", tiny_pte, "--prompt", "hi", "--chat"), "no chat template"
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and expect in lines[0], r.stderr
+
+
+def test_a_program_with_llama_custom_ops_names_the_fix(runner_binary, tiny_hf_dir, tmp_path):
+    """--ops et-llama programs need ExecuTorch's custom-op library, which this runtime leaves out."""
+    from spinquant_et.cli import main
+
+    ckpt, pte = tmp_path / "q", tmp_path / "et.pte"
+    assert main(["quantize", "--model", str(tiny_hf_dir["llama"]), "--out", str(ckpt)]) == 0
+    assert main(["export", "--model", str(ckpt), "--ops", "et-llama", "--max-seq-len", "32", "--out", str(pte)]) == 0
+    r = run("--model", pte, "--prompt", "hi")
+    assert r.returncode != 0 and "re-export with --ops portable" in r.stderr
+    assert "llama::" in r.stderr  # ExecuTorch's own log names the missing operator
