@@ -3,8 +3,9 @@
 
     python scripts/bench_speed.py --model smollm2-135m --out-dir bench_out [--reuse]
 
-Variants: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default),
-and the same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops). Each row: export
+Variants: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default;
+also through the C++ runner when runner/build/spinquant-run exists), and the same with ``--ops
+et-llama`` (ExecuTorch's custom cache/SDPA ops). Python rows use our runtime. Each row: export
 seconds, file size, prefill and decode tokens/s (median of --repeats), and the ratio of each to
 the 8da4w no-rotation baseline, so the online Hadamards' cost reads directly.
 """
@@ -32,6 +33,25 @@ VARIANTS = {  # name: (recipe, --ops)
     "8da4w + R1-R4, et-llama ops": (QuantRecipe(rotation="hadamard"), "et-llama"),
 }
 BASELINE = "8da4w"
+CPP_RUNNER = Path(__file__).parents[1] / "runner" / "build" / "spinquant-run"
+CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner (portable ops only)
+
+
+def bench_cpp(pte: Path, prompt: str, new_tokens: int, repeats: int) -> dict:
+    """Median ttft/prefill/decode of ``spinquant-run`` (2 threads) on ``pte``, and its peak RSS."""
+    import re
+    import subprocess
+
+    runs = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        r = subprocess.run([str(CPP_RUNNER), "--model", str(pte), "--prompt", prompt, "--max-new-tokens",
+                            str(new_tokens), "--ignore-eos", "--threads", "2"], capture_output=True, text=True, check=True)
+        m = re.search(r"ttft ([\d.]+) ms; prefill \d+ tok at ([\d.]+) tok/s; decode \d+ tok at ([\d.]+) tok/s; "
+                      r"peak RSS ([\d.]+) MiB", r.stderr)
+        runs.append(tuple(float(x) for x in m.groups()))
+    runs = runs[1:]
+    return dict(ttft_ms=statistics.median(r[0] for r in runs), prefill=statistics.median(r[1] for r in runs),
+                decode=statistics.median(r[2] for r in runs), rss_mib=max(r[3] for r in runs))
 
 
 def main() -> None:
@@ -71,15 +91,24 @@ def main() -> None:
             ttft_ms=statistics.median(s.ttft_s * 1000 for s in stats),
         )
         print(f"{name}: {rows[name]}", flush=True)
+        if name == CPP_OF and CPP_RUNNER.is_file():
+            tok = AutoTokenizer.from_pretrained(out_dir)
+            rows[name + ", C++ runner"] = dict(export_s=float("nan"), size_mib=rows[name]["size_mib"],
+                                                **bench_cpp(pte, tok.decode(ids), args.new_tokens, args.repeats))
+            print(f"{name}, C++ runner: {rows[name + ', C++ runner']}", flush=True)
 
     base = rows[BASELINE]
     print(f"\n{args.model}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, max_seq_len "
           f"{args.max_seq_len}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, median of {args.repeats}\n")
-    print("| .pte | export s | size MiB | prefill tok/s | decode tok/s | ttft ms | decode vs 8da4w | size vs 8da4w |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| .pte | export s | size MiB | prefill tok/s | decode tok/s | ttft ms | peak RSS MiB | decode vs 8da4w "
+          "| prefill vs 8da4w | size vs 8da4w |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows.items():
-        print(f"| {name} | {r['export_s']:.0f} | {r['size_mib']:.1f} | {r['prefill']:.0f} | {r['decode']:.1f} | "
-              f"{r['ttft_ms']:.0f} | {r['decode'] / base['decode']:.3f} | {r['size_mib'] / base['size_mib']:.2f} |")
+        rss = f"{r['rss_mib']:.0f}" if "rss_mib" in r else "-"
+        export_s = "-" if r["export_s"] != r["export_s"] else f"{r['export_s']:.0f}"
+        print(f"| {name} | {export_s} | {r['size_mib']:.1f} | {r['prefill']:.0f} | {r['decode']:.1f} | "
+              f"{r['ttft_ms']:.0f} | {rss} | {r['decode'] / base['decode']:.3f} | {r['prefill'] / base['prefill']:.3f} "
+              f"| {r['size_mib'] / base['size_mib']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -91,3 +91,16 @@ def tiny_pte(tiny_ckpt, tmp_path_factory):
     out = tmp_path_factory.mktemp("pte") / "tiny.pte"
     assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(TINY_MAX_SEQ), "--out", str(out)]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def runner_binary():
+    """runner/build/spinquant-run, built from scratch once per session (CI has no prebuilt binary)."""
+    import subprocess
+
+    root = Path(__file__).parents[1]
+    build = subprocess.run(["bash", str(root / "runner" / "build.sh")], capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    binary = root / "runner" / "build" / "spinquant-run"
+    assert binary.is_file()
+    return binary

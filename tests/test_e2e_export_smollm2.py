@@ -50,3 +50,24 @@ def test_greedy_32_tokens_equal_text_llm_runner(smollm2_export):
     theirs = tok.encode("".join(pieces), add_special_tokens=False)
     assert len(theirs) >= 30  # the runner streams text; re-encoding may merge a token or two
     assert tok.decode(ours) == tok.decode(theirs)
+
+
+def test_cpp_runner_tokenizer_and_greedy_tokens_match_python(smollm2_export, runner_binary, tmp_path):
+    """The C++ runner on the real model: SmolLM2's tokenizer.json gives HF's ids on mixed text, and
+    greedy decoding gives our Python runtime's 32 tokens, also through the chat template."""
+    from test_runner import cpp_ids, hf_ids, long_mixed_text, run
+    from transformers import AutoTokenizer
+
+    _, result = smollm2_export
+    text = long_mixed_text() + "<|im_start|>user\nhi<|im_end|>"
+    assert cpp_ids(result.tokenizer, text, tmp_path) == hf_ids(result.tokenizer, text)
+
+    tok = AutoTokenizer.from_pretrained(result.pte.parent)
+    prompt = "Tell me about rotations"
+    chat_ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+    for ids, flags in ((tok.encode(prompt, add_special_tokens=False), []), (list(chat_ids), ["--chat"])):
+        ours, _ = generate(PteModel(result.pte), ids, 32, stop_at_eos=False)
+        r = run("--model", result.pte, "--prompt", prompt, *flags, "--max-new-tokens", 32, "--ids", "--ignore-eos")
+        assert r.returncode == 0, r.stderr
+        assert [int(x) for x in r.stdout.split()] == ours

@@ -26,15 +26,6 @@ def run(*args, timeout=300):
     return subprocess.run([str(BINARY), *map(str, args)], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="session")
-def runner_binary():
-    """Build from scratch once per session (CI has no prebuilt binary)."""
-    build = subprocess.run(["bash", str(ROOT / "runner" / "build.sh")], capture_output=True, text=True, timeout=900)
-    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
-    assert BINARY.is_file()
-    return BINARY
-
-
 def long_mixed_text() -> str:
     from spinquant_et.data import builtin_text
 
