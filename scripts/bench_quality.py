@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import time
+from pathlib import Path
 
 from spinquant_et.data import load_text, token_windows, tokenize
 from spinquant_et.eval import perplexity
@@ -60,6 +62,7 @@ def main() -> None:
     p.add_argument("--text-file", default=None, help="default: built-in held-out text")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--json-out", help="also write the numbers as JSON (input of `spinquant-et report --quality`)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
@@ -73,16 +76,22 @@ def main() -> None:
     print("| recipe | " + " | ".join(h for h, _, _ in cols) + " |")
     print("|---|" + "---|" * len(cols))
     print("| FP (fp32) | " + " | ".join(f"{fp:.2f}" for _ in cols) + " |", flush=True)
+    results = {"title": f"{args.model}: perplexity, {windows.shape[0]} x {args.seq_len} held-out tokens", "fp": fp,
+               "rows": [n for n, _ in PRESETS[args.preset]], "columns": [h for h, _, _ in cols], "ppl": {}}
     for name, kw in PRESETS[args.preset]:
         cells = []
+        results["ppl"][name] = {}
         for header, rotation, method in cols:
             t0 = time.perf_counter()
             loaded = copy.deepcopy(base)
             qm = quantize(loaded, QuantRecipe(rotation=rotation, w_method=method, **kw), progress=False)
             ppl = perplexity(qm.loaded.model, windows, progress=False)
+            results["ppl"][name][header] = ppl
             cells.append(f"{ppl:.2f} ({ppl / fp:.2f}x)" if args.preset == "spinquant" else f"{ppl:.2f}")
             log.warning("%s / %s: %s (%.0fs)", name, header, cells[-1], time.perf_counter() - t0)
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -146,6 +146,19 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--resume", action="store_true", help="continue from OUT.ckpt exactly where it stopped")
     o.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
+    r = sub.add_parser("report", help="PNG plots: linear-input outliers by rotation, perplexity by method, loss curve",
+                       description="Writes outliers.png (max/median channel magnitude of every decoder linear's "
+                       "input, per layer, without rotation, with random Hadamards and with --learned), and, when "
+                       "given, quality.png from `scripts/bench_quality.py --json-out` and loss.png from an "
+                       "R.bin.loss.json.")
+    r.add_argument("--model", help=MODEL_HELP)
+    r.add_argument("--learned", help="an R.bin from `optimize`, plotted as a third rotation")
+    r.add_argument("--quality", help="a JSON written by scripts/bench_quality.py --json-out")
+    r.add_argument("--loss", help="an R.bin.loss.json written by `optimize`")
+    r.add_argument("--windows", type=int, default=4, help="calibration windows for the outlier statistics (default 4)")
+    r.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    r.add_argument("--out-dir", default="docs/img", help="where the PNGs go (default docs/img)")
+
     c = sub.add_parser("convert", help="quantized checkpoint -> ExecuTorch's pre-quantized Llama checkpoint",
                        description="Write consolidated.00.pth (Meta key names and RoPE layout, int8 tensors holding "
                        "int4 values with fp32 .scales, int8 embeddings and output) and params.json, the input of "
@@ -284,6 +297,39 @@ def cmd_optimize(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from . import report
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if args.model:
+        from .data import calibration_samples, load_text, tokenize
+        from .models import load_model
+
+        base = load_model(args.model)
+        windows = calibration_samples(tokenize(base.tokenizer, load_text(None, "train")), args.seq_len, args.windows)
+        rotations = {"no rotation": "none", "random Hadamard": "hadamard"}
+        if args.learned:
+            rotations["learned (SpinQuant)"] = args.learned
+        ratios = {label: report.outlier_ratios(report.rotated_copy(base, rot), windows)
+                  for label, rot in rotations.items()}
+        (out_dir / "outliers.json").write_text(json.dumps(ratios, indent=2))
+        written.append(report.plot_outliers(ratios, out_dir / "outliers.png",
+                                            f"{args.model}: linear-input outliers (float model, {args.windows} x "
+                                            f"{args.seq_len} tokens)"))
+    if args.quality:
+        written.append(report.plot_quality(json.loads(Path(args.quality).read_text()), out_dir / "quality.png"))
+    if args.loss:
+        written.append(report.plot_loss(Path(args.loss), out_dir / "loss.png"))
+    if not written:
+        raise SpinQuantError("nothing to plot: give --model, --quality and/or --loss")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def cmd_convert(args) -> int:
     from .export.convert import CHECKPOINT, PARAMS, convert
 
@@ -381,7 +427,7 @@ def cmd_eval(args) -> int:
 
 
 COMMANDS = {"optimize": cmd_optimize, "quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export,
-            "convert": cmd_convert, "generate": cmd_generate, "bench": cmd_bench}
+            "convert": cmd_convert, "report": cmd_report, "generate": cmd_generate, "bench": cmd_bench}
 RUNS_PTE = ("generate", "bench")
 
 
