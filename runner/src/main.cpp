@@ -149,10 +149,16 @@ size_t sample(const float* logits, size_t n, double temperature, double top_p, s
   return order[k - 1];
 }
 
+// Peak resident memory of this program. VmHWM, not getrusage: ru_maxrss survives exec, so a runner
+// started by a large process (a Python benchmark) would report its parent's peak.
 double peak_rss_mib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;  // kB
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_maxrss / 1024.0;  // Linux reports KiB
+  return ru.ru_maxrss / 1024.0;
 }
 
 int run(const Args& a) {
