@@ -258,8 +258,9 @@ def cmd_optimize(args) -> int:
     from pathlib import Path
 
     import torch
+    import torch.distributed as dist
 
-    from .data import calibration_samples, load_text, tokenize
+    from .data import calibration_windows
     from .io import refuse_existing
     from .models import load_model
     from .rotation.learn import OptimizeConfig, optimize_rotations
@@ -272,8 +273,6 @@ def cmd_optimize(args) -> int:
     if not args.resume and rank == 0:
         refuse_existing(out, args.force)
     if world > 1:
-        import torch.distributed as dist
-
         dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         if args.device.startswith("cuda"):
             args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -282,13 +281,10 @@ def cmd_optimize(args) -> int:
                              steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                              checkpoint_every=args.checkpoint_every)
         loaded = load_model(args.model)
-        ids = tokenize(loaded.tokenizer, load_text(args.calib_text, "train"))
-        samples = calibration_samples(ids, args.seq_len, args.samples, args.seed)
+        samples = calibration_windows(loaded.tokenizer, args.calib_text, args.seq_len, args.samples, args.seed)
         trainer = optimize_rotations(loaded, samples, out, cfg, args.device, args.resume, rank=rank, world=world)
     finally:
         if world > 1:
-            import torch.distributed as dist
-
             dist.destroy_process_group()
     if rank == 0:
         first, last = trainer.losses[0], trainer.losses[-1]
@@ -306,11 +302,11 @@ def cmd_report(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     if args.model:
-        from .data import calibration_samples, load_text, tokenize
+        from .data import calibration_windows
         from .models import load_model
 
         base = load_model(args.model)
-        windows = calibration_samples(tokenize(base.tokenizer, load_text(None, "train")), args.seq_len, args.windows)
+        windows = calibration_windows(base.tokenizer, None, args.seq_len, args.windows)
         rotations = {"no rotation": "none", "random Hadamard": "hadamard"}
         if args.learned:
             rotations["learned (SpinQuant)"] = args.learned

@@ -90,3 +90,8 @@ def calibration_samples(ids: torch.Tensor, seq_len: int, n_samples: int, seed: i
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, ids.numel() - seq_len, (n_samples,), generator=g)
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
+
+
+def calibration_windows(tokenizer, source: str | Path | None, seq_len: int, n_samples: int, seed: int = 0) -> torch.Tensor:
+    """``calibration_samples`` of the calibration part of ``source`` (see ``load_text``), tokenized."""
+    return calibration_samples(tokenize(tokenizer, load_text(source, "train")), seq_len, n_samples, seed)

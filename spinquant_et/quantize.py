@@ -153,13 +153,12 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
 
 def default_calibration(loaded: LoadedModel, recipe: QuantRecipe, text: str | None = None) -> torch.Tensor:
     """``[calib_samples, calib_seq_len]`` windows of the calibration text (default: built-in, train part)."""
-    from .data import calibration_samples, load_text, tokenize
+    from .data import calibration_windows
     from .errors import SpinQuantError
 
     if loaded.tokenizer is None:
         raise SpinQuantError("GPTQ needs calibration text, and this model has no tokenizer; add tokenizer.json")
-    ids = tokenize(loaded.tokenizer, load_text(text, "train"))
-    return calibration_samples(ids, recipe.calib_seq_len, recipe.calib_samples, recipe.seed)
+    return calibration_windows(loaded.tokenizer, text, recipe.calib_seq_len, recipe.calib_samples, recipe.seed)
 
 
 @torch.no_grad()

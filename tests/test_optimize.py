@@ -115,3 +115,17 @@ def test_two_processes_follow_the_one_process_loss_curve(trained_tiny_dir, tmp_p
     two = json.loads((tmp_path / "two.bin.loss.json").read_text())["loss"]
     # same global batches; only the order of float reductions differs
     assert two == pytest.approx(one, rel=1e-4)
+
+
+def test_training_through_4bit_weights(trained_tiny_dir):
+    """--w-bits 4: the rotated weights are RTN-quantized (clipping search) inside the loss, STE backward."""
+    loaded = load_model(str(trained_tiny_dir))
+    trainer = RotationTrainer(loaded, OptimizeConfig(steps=2, w_bits=4, group_size=32, **CFG))
+    float_trainer = RotationTrainer(load_model(str(trained_tiny_dir)), OptimizeConfig(steps=2, **CFG))
+    batch = _samples(loaded, 8)
+    with torch.no_grad():
+        assert trainer.loss(batch).item() != pytest.approx(float_trainer.loss(batch).item(), rel=1e-4)
+    losses = [trainer.train_step(batch) for _ in range(2)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert trainer.r1.grad is not None and trainer.r1.grad.abs().sum() > 0
+    assert orthogonality_error(trainer.r1.detach()) < 1e-4

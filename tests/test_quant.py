@@ -69,3 +69,16 @@ def test_group_size_that_does_not_divide_names_the_layer():
 def test_recipe_json_round_trip():
     r = QuantRecipe(rotation="none", w_bits=3, group_size=128, a_bits=4, kv_bits=8, w_clip=False)
     assert QuantRecipe.from_json(r.to_json()) == r
+
+
+def test_weight_fake_quant_with_given_scales_matches_rtn_and_passes_gradients():
+    """What `optimize` trains through when --w-bits < 16: the clipping search's RTN, straight-through."""
+    from spinquant_et.quant.quantizer import dequantize_weight, fake_quant_weight_ste, quantize_weight
+    from spinquant_et.quant.rtn import clip_scales
+
+    w = torch.randn(16, 64, requires_grad=True)
+    scales = clip_scales(w.detach(), 4, 32)
+    out = fake_quant_weight_ste(w, 4, 32, scales=scales)
+    torch.testing.assert_close(out, dequantize_weight(*quantize_weight(w.detach(), 4, 32, scales)))
+    out.sum().backward()
+    assert torch.equal(w.grad, torch.ones_like(w))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantizer import SCALE_EPS
+from .quantizer import max_abs_scales
 from .rtn import clip_scales
 
 DAMP = 0.01
@@ -28,9 +28,7 @@ BLOCK = 128
 
 def _group_scale(w: torch.Tensor, bits: int, clip: bool) -> torch.Tensor:
     """``[out]`` scale of one group ``w [out, g]`` (max-abs, or RTN's clipping search)."""
-    if clip:
-        return clip_scales(w, bits, w.shape[1])[:, 0]
-    return (w.abs().amax(-1) / (2 ** (bits - 1) - 1)).clamp_min(SCALE_EPS)
+    return (clip_scales if clip else max_abs_scales)(w, bits, w.shape[1])[:, 0]
 
 
 @torch.no_grad()

@@ -25,6 +25,11 @@ def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return w.reshape(out_f, groups_of(in_f, group_size), -1)
 
 
+def max_abs_scales(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Plain symmetric scales ``[out, n_groups]``: each group's max |w| maps to the largest integer."""
+    return (_grouped(w, group_size).abs().amax(-1) / (2 ** (bits - 1) - 1)).clamp_min(SCALE_EPS)
+
+
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int, scales: torch.Tensor | None = None):
     """Symmetric groupwise quantization of ``w [out, in]``.
 
@@ -34,7 +39,7 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, scales: torch.T
     qmax = 2 ** (bits - 1) - 1
     wg = _grouped(w.float(), group_size)
     if scales is None:
-        scales = (wg.abs().amax(-1) / qmax).clamp_min(SCALE_EPS)
+        scales = max_abs_scales(w.float(), bits, group_size)
     q = torch.clamp(torch.round(wg / scales[..., None]), -qmax - 1, qmax)
     return q.reshape(w.shape).to(torch.int8), scales.float()
 
@@ -62,12 +67,19 @@ def fake_quant_per_token(x: torch.Tensor, bits: int, group_size: int = 0, clip_r
     return x + (deq - x).detach()
 
 
-def fake_quant_weight_ste(w: torch.Tensor, bits: int, group_size: int, clip_ratio: float = 1.0) -> torch.Tensor:
-    """Symmetric groupwise weight fake-quant with a straight-through estimator (for training)."""
+def fake_quant_weight_ste(w: torch.Tensor, bits: int, group_size: int, clip_ratio: float = 1.0,
+                          scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric groupwise weight fake-quant with a straight-through estimator (for training).
+
+    ``scales [out, n_groups]`` (e.g. from the clipping search) override the ``clip_ratio``-scaled max-abs ones.
+    """
     if bits >= 16:
         return w
     qmax = 2 ** (bits - 1) - 1
     wg = _grouped(w, group_size)
-    scale = (wg.abs().amax(-1, keepdim=True) * clip_ratio / qmax).clamp_min(SCALE_EPS)
+    if scales is None:
+        scale = (wg.abs().amax(-1, keepdim=True) * clip_ratio / qmax).clamp_min(SCALE_EPS)
+    else:
+        scale = scales.clamp_min(SCALE_EPS)[..., None]
     deq = (torch.clamp(torch.round(wg / scale), -qmax - 1, qmax) * scale).reshape(w.shape)
     return w + (deq - w).detach()

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from ..errors import SpinQuantError
 from ..models.load import LoadedModel, untie_embeddings
 from ..online import attach_online
-from ..quant.quantizer import SCALE_EPS, _grouped
+from ..quant.quantizer import fake_quant_weight_ste
 from ..quant.rtn import clip_scales
 from ..recipe import NO_QUANT
 from .apply import apply_r4_weights, head_dim_of, random_rotations, rotated_layer_tensors
@@ -74,15 +74,6 @@ class OptimizeConfig:
     batch_size: int = 1
     seed: int = 0
     checkpoint_every: int = 10
-
-
-def weight_fake_quant_ste(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """RTN with the clipping search's scales (chosen on the detached weight), straight-through."""
-    qmax = 2 ** (bits - 1) - 1
-    scales = clip_scales(w.detach(), bits, group_size).clamp_min(SCALE_EPS)[..., None]
-    wg = _grouped(w, group_size)
-    deq = (torch.clamp(torch.round(wg / scales), -qmax - 1, qmax) * scales).reshape(w.shape)
-    return w + (deq - w).detach()
 
 
 class _RotatedLayer(nn.Module):
@@ -137,7 +128,9 @@ class RotationTrainer:
         params = {}
         for key, t in rotated_layer_tensors(layer, self.arch, self.r1, self.r2[i], self.head_dim).items():
             if self.cfg.w_bits < NO_QUANT and key.endswith(".weight"):
-                t = weight_fake_quant_ste(t, self.cfg.w_bits, self.cfg.group_size)
+                # RTN with the clipping search's scales, chosen on the detached weight; STE
+                scales = clip_scales(t.detach(), self.cfg.w_bits, self.cfg.group_size)
+                t = fake_quant_weight_ste(t, self.cfg.w_bits, self.cfg.group_size, scales=scales)
             params[key] = t
         return params
 
