@@ -1,32 +1,50 @@
 #!/usr/bin/env python
 """Perplexity of one model under many recipes, on the same tokens, as one markdown table.
 
-    python scripts/bench_quality.py --model smollm2-135m --windows 32                      # sweep
-    python scripts/bench_quality.py --preset spinquant --learned R.bin --windows 32        # methods
+    python scripts/bench_quality.py                                              # spinquant preset, demo model
+    python scripts/bench_quality.py --learned R.bin                              # + learned-rotation columns
+    python scripts/bench_quality.py --preset sweep --pte-columns none            # bit-width sweep
+    python scripts/bench_quality.py --lm-eval arc_easy,hellaswag --lm-eval-limit 500
 
 Loads the float model once and quantizes a fresh copy per cell (README's tables come from here).
 
-``sweep``: rows W8A8 (per channel), W4A16, W4A8, W4A4KV4 (groups of 32, plain RTN) and W4A4KV4 with
-the clipping search; columns no rotation and random Hadamard R1-R4.
-``spinquant``: rows W4A8 and W4A4KV4 (g32, clipping search); columns no rotation + RTN, Hadamard
-(QuaRot-style) + RTN / GPTQ, learned R1/R2 (``--learned R.bin`` from ``spinquant-et optimize``)
-+ RTN / GPTQ. Int8 per-channel embeddings and lm_head everywhere.
+``spinquant`` (default): rows W4A8 and W4A4KV4 (g32, clipping search); columns no rotation + RTN,
+Hadamard (QuaRot-style) + RTN / GPTQ, learned R1/R2 (``--learned R.bin`` from ``spinquant-et
+optimize``) + RTN / GPTQ. Int8 per-channel embeddings and lm_head everywhere. GPTQ calibrates on
+``--calib-samples`` windows of the built-in calibration text (never the evaluation text).
+``sweep``: rows W8A8 (per channel), W4A16, W4A8, W4A4KV4 (groups of 32, plain RTN) and W4A4KV4
+with the clipping search; columns no rotation and random Hadamard R1-R4.
+
+``.pte`` row: the W4A8 cells of ``--pte-columns`` are also lowered to an XNNPACK ``.pte`` (8-bit
+dynamic activations x int4 weights, the same integers) and that program's perplexity is measured
+on the same windows, one token per call through its KV cache, as a runner would use it.
+
+``--lm-eval TASKS``: zero-shot accuracy of every eager fake-quant cell (and FP) through
+lm-eval's API; needs ``pip install lm-eval`` and its datasets (from the hub or a local cache).
 """
 
 from __future__ import annotations
 
-import argparse
-import copy
-import json
-import logging
-import time
-from pathlib import Path
+import os
 
-from spinquant_et.data import load_text, token_windows, tokenize
-from spinquant_et.eval import perplexity
-from spinquant_et.models import load_model
-from spinquant_et.quantize import quantize
-from spinquant_et.recipe import QuantRecipe
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: ExecuTorch's workers (the .pte row) need the cores
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from spinquant_et.data import load_text, token_windows, tokenize  # noqa: E402
+from spinquant_et.eval import LMEvalUnavailable, lm_eval_scores, lm_eval_table, load_lm_eval_tasks, perplexity  # noqa: E402
+from spinquant_et.models import load_model  # noqa: E402
+from spinquant_et.quantize import quantize  # noqa: E402
+from spinquant_et.recipe import QuantRecipe  # noqa: E402
 
 PRESETS = {
     "sweep": [
@@ -41,57 +59,123 @@ PRESETS = {
         ("W4A4KV4 g32", dict(w_bits=4, a_bits=4, kv_bits=4)),
     ],
 }
+PTE_ROW = "W4A8 g32"  # the recipe XNNPACK runs (8da4w); its cells can get a .pte row
+DEFAULT_PTE_COLUMNS = "hadamard-gptq,learned-gptq"  # the recipes we recommend shipping
 
 
-def columns(preset: str, learned: str | None) -> list[tuple[str, str, str]]:
-    """``(header, rotation, w_method)`` per column."""
+def columns(preset: str, learned: str | None) -> list[tuple[str, str, str, str]]:
+    """``(header, key, rotation, w_method)`` per column; ``key`` names it in ``--pte-columns``."""
     if preset == "sweep":
-        return [("no rotation", "none", "rtn"), ("Hadamard R1-R4", "hadamard", "rtn")]
-    cols = [("no rotation, RTN", "none", "rtn"), ("Hadamard, RTN", "hadamard", "rtn"),
-            ("Hadamard, GPTQ", "hadamard", "gptq")]
+        return [("no rotation", "none-rtn", "none", "rtn"), ("Hadamard R1-R4", "hadamard-rtn", "hadamard", "rtn")]
+    cols = [("no rotation, RTN", "none-rtn", "none", "rtn"), ("Hadamard, RTN", "hadamard-rtn", "hadamard", "rtn"),
+            ("Hadamard, GPTQ", "hadamard-gptq", "hadamard", "gptq")]
     if learned:
-        cols += [("learned, RTN", learned, "rtn"), ("learned, GPTQ", learned, "gptq")]
+        cols += [("learned, RTN", "learned-rtn", learned, "rtn"), ("learned, GPTQ", "learned-gptq", learned, "gptq")]
     return cols
+
+
+def pte_perplexity_of(qm, windows: torch.Tensor) -> float:
+    """Lower ``qm`` to a temporary .pte (context = window length) and measure that program's perplexity."""
+    from spinquant_et.export.pipeline import export_quantized
+    from spinquant_et.runtime import PteModel, pte_perplexity
+
+    with tempfile.TemporaryDirectory(prefix="bench_quality.") as tmp:
+        pte = Path(tmp) / "model.pte"
+        export_quantized(qm, pte, max_seq_len=windows.shape[1])
+        return pte_perplexity(PteModel(pte), windows, progress=False)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--preset", choices=list(PRESETS), default="sweep")
+    p.add_argument("--model", default="smollm2-135m", help="alias, HF directory, hub id or .gguf (default: demo model)")
+    p.add_argument("--preset", choices=list(PRESETS), default="spinquant")
     p.add_argument("--learned", help="spinquant preset: an R.bin from `spinquant-et optimize` for the learned columns")
-    p.add_argument("--text-file", default=None, help="default: built-in held-out text")
+    p.add_argument("--text-file", default=None, help="evaluation text (default: built-in held-out text)")
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=32)
+    p.add_argument("--calib-samples", type=int, default=16,
+                   help="GPTQ calibration windows of --seq-len tokens (default 16; the CLI's default is 32)")
+    p.add_argument("--pte-columns", default=DEFAULT_PTE_COLUMNS,
+                   help=f"columns whose {PTE_ROW} cell also gets a .pte perplexity: comma-separated keys (none-rtn, "
+                        "hadamard-rtn, hadamard-gptq, learned-rtn, learned-gptq), 'all' or 'none' (default: %(default)s; "
+                        "each costs an export and a token-by-token pass)")
+    p.add_argument("--lm-eval", metavar="TASKS", help="comma-separated lm-eval tasks, zero-shot, on every eager cell")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="examples per task (default: all)")
+    p.add_argument("--lm-eval-include", metavar="DIR", help="a folder of extra lm-eval task YAMLs (local datasets)")
     p.add_argument("--json-out", help="also write the numbers as JSON (input of `spinquant-et report --quality`)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
+    t_start = time.perf_counter()
+
+    cols = columns(args.preset, args.learned)
+    headers = [c[0] for c in cols]
+    pte_cols = pte_columns(args.pte_columns, cols) if any(n == PTE_ROW for n, _ in PRESETS[args.preset]) else []
+    lm_eval_tasks = None
+    if args.lm_eval:  # before minutes of quantization: the tasks' datasets must be reachable
+        try:
+            lm_eval_tasks = load_lm_eval_tasks(args.lm_eval.split(","), args.lm_eval_include)
+        except LMEvalUnavailable as e:
+            print(f"note: no lm-eval columns: {e}", file=sys.stderr)
 
     base = load_model(args.model)
     windows = token_windows(tokenize(base.tokenizer, load_text(args.text_file, "test")), args.seq_len, args.windows)
-    print(f"model {args.model}; {windows.shape[0]} windows x {args.seq_len} tokens of held-out text; "
-          "int8 per-channel embeddings and lm_head in every quantized row\n")
+    print(f"model {args.model}; {windows.shape[0]} windows x {args.seq_len} tokens of held-out text; int8 per-channel "
+          f"embeddings and lm_head in every quantized row; GPTQ: {args.calib_samples} x {args.seq_len} calibration "
+          "tokens\n", flush=True)
     fp = perplexity(base.model, windows, progress=False)
-    cols = columns(args.preset, args.learned)
-    print("| recipe | " + " | ".join(h for h, _, _ in cols) + " |")
-    print("|---|" + "---|" * len(cols))
-    print("| FP (fp32) | " + " | ".join(f"{fp:.2f}" for _ in cols) + " |", flush=True)
     results = {"title": f"{args.model}: perplexity, {windows.shape[0]} x {args.seq_len} held-out tokens", "fp": fp,
-               "rows": [n for n, _ in PRESETS[args.preset]], "columns": [h for h, _, _ in cols], "ppl": {}}
+               "rows": [n for n, _ in PRESETS[args.preset]], "columns": headers, "ppl": {}, "pte": {}, "lm_eval": {}}
+    print("| recipe | " + " | ".join(headers) + " |\n|---|" + "---|" * len(cols))
+    print("| FP (fp32) | " + " | ".join(f"{fp:.2f}" for _ in cols) + " |", flush=True)
+    if lm_eval_tasks:
+        results["lm_eval"]["FP (fp32)"] = lm_eval_scores(base, lm_eval_tasks, args.lm_eval_limit)
+
+    def cell(ppl: float | None) -> str:
+        if ppl is None:
+            return "-"
+        return f"{ppl:.2f} ({ppl / fp:.2f}x)" if args.preset == "spinquant" else f"{ppl:.2f}"
+
     for name, kw in PRESETS[args.preset]:
-        cells = []
-        results["ppl"][name] = {}
-        for header, rotation, method in cols:
+        ppl_row, pte_row = results["ppl"].setdefault(name, {}), {}
+        for col, _, rotation, method in cols:
             t0 = time.perf_counter()
             loaded = copy.deepcopy(base)
-            qm = quantize(loaded, QuantRecipe(rotation=rotation, w_method=method, **kw), progress=False)
-            ppl = perplexity(qm.loaded.model, windows, progress=False)
-            results["ppl"][name][header] = ppl
-            cells.append(f"{ppl:.2f} ({ppl / fp:.2f}x)" if args.preset == "spinquant" else f"{ppl:.2f}")
-            log.warning("%s / %s: %s (%.0fs)", name, header, cells[-1], time.perf_counter() - t0)
-        print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
+            qm = quantize(loaded, QuantRecipe(rotation=rotation, w_method=method, calib_samples=args.calib_samples,
+                                              calib_seq_len=args.seq_len, **kw), progress=False)
+            ppl_row[col] = perplexity(qm.loaded.model, windows, progress=False)
+            log.warning("%s / %s: %.2f (%.0fs)", name, col, ppl_row[col], time.perf_counter() - t0)
+            if lm_eval_tasks:
+                results["lm_eval"][f"{name} / {col}"] = lm_eval_scores(qm.loaded, lm_eval_tasks, args.lm_eval_limit)
+            if name == PTE_ROW and col in pte_cols:
+                t0 = time.perf_counter()
+                pte_row[col] = results["pte"][col] = pte_perplexity_of(qm, windows)
+                log.warning(".pte %s / %s: %.2f (%.0fs)", name, col, pte_row[col], time.perf_counter() - t0)
+            del loaded, qm
+        print(f"| {name} | " + " | ".join(cell(ppl_row[c]) for c in headers) + " |", flush=True)
+        if pte_row:
+            print(f"| {name}, `.pte` (XNNPACK 8da4w) | " + " | ".join(cell(pte_row.get(c)) for c in headers) + " |",
+                  flush=True)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=2))
+
+    if lm_eval_tasks:
+        limit = f", at most {args.lm_eval_limit} examples per task" if args.lm_eval_limit else ""
+        print(f"\nzero-shot accuracy (lm-eval{limit}):\n\n" + lm_eval_table(results["lm_eval"]))
+    print(f"\nwhole run {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
+
+
+def pte_columns(spec: str, cols: list[tuple[str, str, str, str]]) -> list[str]:
+    """Headers of the columns whose W4A8 cell gets a .pte row: ``all``, ``none`` or keys. An unknown key
+    is an error, except the default's learned one when there is no ``--learned``."""
+    if spec in ("all", "none"):
+        return [c[0] for c in cols] if spec == "all" else []
+    wanted = [k.strip() for k in spec.split(",") if k.strip()]
+    keys = [c[1] for c in cols]
+    unknown = [k for k in wanted if k not in keys and not (spec == DEFAULT_PTE_COLUMNS and k.startswith("learned"))]
+    if unknown:
+        raise SystemExit(f"error: --pte-columns: no column {unknown[0]!r} here; choose from {', '.join(keys)}, all or none")
+    return [c[0] for c in cols if c[1] in wanted]
 
 
 if __name__ == "__main__":

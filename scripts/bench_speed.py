@@ -1,51 +1,73 @@
 #!/usr/bin/env python
-"""Speed and size of .pte variants of one model, side by side, in one run (2 threads, CPU).
+"""Speed, memory and size of .pte variants of one model, and llama.cpp on its GGUF, in one run (2 threads, CPU).
 
     python scripts/bench_speed.py --model smollm2-135m --out-dir bench_out [--reuse]
 
-Variants: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default;
-also through the C++ runner when runner/build/spinquant-run exists), and the same with ``--ops
-et-llama`` (ExecuTorch's custom cache/SDPA ops). Python rows use our runtime. Each row: export
-seconds, file size, prefill and decode tokens/s (median of --repeats), and the ratio of each to
-the 8da4w no-rotation baseline, so the online Hadamards' cost reads directly.
+Rows: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default;
+also through the C++ runner when runner/build/spinquant-run exists), the same with ``--ops
+et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp on the model's GGUF when
+``llama-cpp-python`` is installed and the model is a .gguf (the demo model is). Every row is
+measured in its own process, so its peak RSS is its own: Python rows are ``spinquant-et bench``
+(our runtime; RSS includes Python and torch), the C++ row is ``spinquant-run``, the llama.cpp row
+is llama-cpp-python with ``n_threads=2``. All rows get the same prompt token ids and decode greedily
+without stopping at EOS. Each figure is also printed as a ratio to the 8da4w row, and decode
+against llama.cpp's when it ran.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: see spinquant_et.runtime
-
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from spinquant_et.data import builtin_text, tokenize  # noqa: E402
-from spinquant_et.export.pipeline import export  # noqa: E402
-from spinquant_et.recipe import QuantRecipe  # noqa: E402
-from spinquant_et.runtime import PteModel, generate  # noqa: E402
-
-VARIANTS = {  # name: (recipe, --ops)
-    "fp32": (QuantRecipe(rotation="none", w_bits=16, a_bits=16, embedding_bits=16, lm_head_bits=16), "portable"),
-    "8da4w": (QuantRecipe(rotation="none"), "portable"),
-    "8da4w + R1-R4": (QuantRecipe(rotation="hadamard"), "portable"),
-    "8da4w + R1-R4, et-llama ops": (QuantRecipe(rotation="hadamard"), "et-llama"),
+THREADS = 2
+VARIANTS = {  # name: `spinquant-et export` flags
+    "fp32": ["--rotation", "none", "--w-bits", "16", "--a-bits", "16", "--embedding-bits", "16", "--lm-head-bits", "16"],
+    "8da4w": ["--rotation", "none"],
+    "8da4w + R1-R4": ["--rotation", "hadamard"],
+    "8da4w + R1-R4, et-llama ops": ["--rotation", "hadamard", "--ops", "et-llama"],
 }
 BASELINE = "8da4w"
 CPP_RUNNER = Path(__file__).parents[1] / "runner" / "build" / "spinquant-run"
 CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner (portable ops only)
+LLAMA_CPP = "llama.cpp (GGUF as shipped)"
+
+
+def child_env() -> dict:
+    # One thread per process for MKL/OpenMP: ExecuTorch's own 2 workers would otherwise fight them
+    # (see spinquant_et.runtime); llama.cpp sets its own thread count.
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def last_json(cmd: list[str]) -> dict:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+    if r.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd[:4])} ... failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_python(pte: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
+    """``spinquant-et bench`` in a fresh process: medians and that process's peak RSS."""
+    r = last_json([sys.executable, "-m", "spinquant_et.cli", "bench", str(pte), "--prompt-tokens", str(prompt_tokens),
+                   "--max-new-tokens", str(new_tokens), "--repeats", str(repeats), "--json"])
+    return dict(prefill=r["prefill_tok_s"]["median"], decode=r["decode_tok_s"]["median"],
+                ttft_ms=r["ttft_ms"]["median"], rss_mib=r["peak_rss_mib"])
 
 
 def bench_cpp(pte: Path, prompt: str, new_tokens: int, repeats: int) -> dict:
-    """Median ttft/prefill/decode of ``spinquant-run`` (2 threads) on ``pte``, and its peak RSS."""
-    import re
-    import subprocess
-
+    """Median ttft/prefill/decode of ``spinquant-run --threads 2`` on ``pte``, and its peak RSS. ``prompt`` is the
+    prompt ids decoded; the runner's tokenizer gives HF's ids back (tests check it)."""
     runs = []
     for _ in range(repeats + 1):  # the first is a warm-up
         r = subprocess.run([str(CPP_RUNNER), "--model", str(pte), "--prompt", prompt, "--max-new-tokens",
-                            str(new_tokens), "--ignore-eos", "--threads", "2"], capture_output=True, text=True, check=True)
+                            str(new_tokens), "--ignore-eos", "--threads", str(THREADS)],
+                           capture_output=True, text=True, check=True, env=child_env())
         m = re.search(r"ttft ([\d.]+) ms; prefill \d+ tok at ([\d.]+) tok/s; decode \d+ tok at ([\d.]+) tok/s; "
                       r"peak RSS ([\d.]+) MiB", r.stderr)
         runs.append(tuple(float(x) for x in m.groups()))
@@ -54,61 +76,183 @@ def bench_cpp(pte: Path, prompt: str, new_tokens: int, repeats: int) -> dict:
                 decode=statistics.median(r[2] for r in runs), rss_mib=max(r[3] for r in runs))
 
 
+def measure_llama_cpp(gguf: str, ids: list[int], new_tokens: int, repeats: int, n_ctx: int, extra_bufts: bool) -> dict:
+    """In this (child) process: llama.cpp prefill of ``ids`` and greedy decode, timed like our runtime's
+    ``generate`` (ttft = prefill + first argmax; decode tok/s over the remaining tokens).
+
+    ``extra_bufts=False`` turns off llama.cpp's extra weight buffer types (AMX, repacked layouts): on
+    CPUs that advertise AMX inside VMs that do not grant it, its AMX matmul segfaults."""
+    import llama_cpp
+    import numpy as np
+
+    from spinquant_et.sysinfo import peak_rss_mib
+
+    if not extra_bufts:  # llama-cpp-python has no argument for it; its constructor reads these defaults
+        import llama_cpp.llama_cpp as low_level
+
+        defaults = low_level.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        low_level.llama_model_default_params = without_extra_bufts
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=max(512, len(ids)), n_threads=THREADS, n_threads_batch=THREADS,
+                verbose=False)
+
+    def run(prompt: list[int], n: int) -> tuple[float, float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t_prefill = time.perf_counter() - t0
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for _ in range(n - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        return ttft, t_prefill, time.perf_counter() - t1
+
+    run(ids[:8], 4)  # warm-up
+    stats = [run(ids, new_tokens) for _ in range(repeats)]
+    return dict(ttft_ms=statistics.median(s[0] * 1000 for s in stats),
+                prefill=statistics.median(len(ids) / s[1] for s in stats),
+                decode=statistics.median((new_tokens - 1) / s[2] for s in stats), rss_mib=peak_rss_mib(),
+                version=llama_cpp.__version__, extra_bufts=extra_bufts)
+
+
+def bench_llama_cpp(gguf: str, ids: list[int], args) -> dict:
+    """The llama.cpp row, in a child process; again without extra buffer types if that one crashes."""
+    cmd = [sys.executable, __file__, "--measure-llama-cpp", gguf, "--ids", ",".join(map(str, ids)), "--new-tokens",
+           str(args.new_tokens), "--repeats", str(args.repeats), "--max-seq-len", str(args.max_seq_len)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+    if r.returncode < 0:  # killed by a signal (SIGSEGV in ggml_backend_amx_mul_mat seen on a VM)
+        print(f"llama.cpp crashed (signal {-r.returncode}); again without extra buffer types", file=sys.stderr)
+        return last_json(cmd + ["--no-extra-bufts"])
+    if r.returncode != 0:
+        raise SystemExit(f"error: the llama.cpp row failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def gguf_of(model: str) -> str | None:
+    from spinquant_et.models.load import ALIASES, alias_path
+
+    if model in ALIASES:
+        model = str(alias_path(model))
+    return model if model.endswith(".gguf") and Path(model).is_file() else None
+
+
+def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: int) -> dict[str, float]:
+    """``spinquant-et export`` for each ``{variant: pte}``, ``parallel`` processes at a time (lowering is
+    single-threaded Python, so two exports on two cores take about the time of one). Seconds per variant."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> float:
+        t0 = time.perf_counter()
+        cmd = [sys.executable, "-m", "spinquant_et.cli", "export", "--model", model, *VARIANTS[name], "--max-seq-len",
+               str(max_seq_len), "--out", str(jobs[name]), "--force"]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise SystemExit(f"error: export of {name} failed:\n{r.stderr[-2000:]}")
+        seconds = time.perf_counter() - t0
+        print(f"exported {name} in {seconds:.0f}s", file=sys.stderr, flush=True)
+        return seconds
+
+    with ThreadPoolExecutor(max(1, parallel)) as pool:
+        return dict(zip(jobs, pool.map(one, jobs), strict=True))
+
+
+def ratio(a: float | None, b: float | None, fmt: str) -> str:
+    return "-" if a is None or not b else format(a / b, fmt)
+
+
+def print_table(rows: dict, header: str) -> None:
+    base = rows[BASELINE]
+    ref = rows.get(LLAMA_CPP)
+    print(f"\n{header}\n")
+    cols = ["export s", "size MiB", "prefill tok/s", "decode tok/s", "ttft ms", "peak RSS MiB", "prefill vs 8da4w",
+            "decode vs 8da4w", "ttft vs 8da4w", "RSS vs 8da4w", "size vs 8da4w"] + (["decode vs llama.cpp"] if ref else [])
+    print("| runtime, file | " + " | ".join(cols) + " |")
+    print("|---|" + "---|" * len(cols))
+    for name, r in rows.items():
+        cells = ["-" if r.get("export_s") is None else f"{r['export_s']:.0f}", f"{r['size_mib']:.1f}",
+                 f"{r['prefill']:.0f}", f"{r['decode']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['rss_mib']:.0f}",
+                 ratio(r["prefill"], base["prefill"], ".3f"), ratio(r["decode"], base["decode"], ".3f"),
+                 ratio(r["ttft_ms"], base["ttft_ms"], ".3f"), ratio(r["rss_mib"], base["rss_mib"], ".2f"),
+                 ratio(r["size_mib"], base["size_mib"], ".2f")]
+        if ref:
+            cells.append(ratio(r["decode"], ref["decode"], ".2f"))
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf (default: the demo model)")
     p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-seq-len", type=int, default=512, help="of every .pte and llama.cpp's context (default 512)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--reuse", action="store_true", help="bench existing .pte files instead of re-exporting")
-    p.add_argument("--only", nargs="+", choices=list(VARIANTS), help="bench these variants (default: all)")
+    p.add_argument("--only", nargs="+", choices=list(VARIANTS), help=f"these .pte variants (and {BASELINE}; default: all)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row")
+    p.add_argument("--parallel-exports", type=int, default=2, help="exports running at once (default 2)")
+    p.add_argument("--measure-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)  # the child process of that row
+    p.add_argument("--ids", help=argparse.SUPPRESS)
+    p.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.measure_llama_cpp:
+        ids = [int(t) for t in args.ids.split(",")]
+        print(json.dumps(measure_llama_cpp(args.measure_llama_cpp, ids, args.new_tokens, args.repeats, args.max_seq_len,
+                                           extra_bufts=not args.no_extra_bufts)))
+        return
+
+    from spinquant_et.data import builtin_text, tokenize
+    from spinquant_et.models.load import _load_tokenizer
+
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-
-    rows = {}
-    for name, (recipe, ops) in VARIANTS.items():
-        if args.only and name not in args.only and name != BASELINE:
-            continue
-        pte = out_dir / (name.replace(" ", "").replace("+", "_").replace(",", "_") + f"-{args.max_seq_len}.pte")
-        export_s = float("nan")
-        if not (args.reuse and pte.exists()):
-            t0 = time.perf_counter()
-            export(args.model, recipe, pte, args.max_seq_len, force=True, ops=ops)
-            export_s = time.perf_counter() - t0
-        model = PteModel(pte)
-        from transformers import AutoTokenizer
-
-        ids = tokenize(AutoTokenizer.from_pretrained(out_dir), builtin_text("test"))[: args.prompt_tokens].tolist()
-        generate(model, ids[:8], 4, stop_at_eos=False)  # warm-up
-        stats = [generate(model, ids, args.new_tokens, stop_at_eos=False)[1] for _ in range(args.repeats)]
-        rows[name] = dict(
-            export_s=export_s, size_mib=pte.stat().st_size / 2**20,
-            prefill=statistics.median(s.prefill_tok_s for s in stats),
-            decode=statistics.median(s.decode_tok_s for s in stats),
-            ttft_ms=statistics.median(s.ttft_s * 1000 for s in stats),
-        )
-        print(f"{name}: {rows[name]}", flush=True)
+    t_start = time.perf_counter()
+    names = [n for n in VARIANTS if not args.only or n in args.only or n == BASELINE]
+    ptes = {n: out_dir / (re.sub(r"[^\w]+", "_", n).strip("_") + f"-{args.max_seq_len}.pte") for n in names}
+    todo = {n: p for n, p in ptes.items() if not (args.reuse and p.exists())}
+    export_s = export_all(args.model, todo, args.max_seq_len, args.parallel_exports) if todo else {}
+    # the prompt every row gets: the first tokens of the built-in held-out text
+    tokenizer = _load_tokenizer(str(out_dir))
+    ids = tokenize(tokenizer, builtin_text("test"))[: args.prompt_tokens].tolist()
+    rows: dict[str, dict] = {}
+    for name, pte in ptes.items():  # one at a time: measurements never share the cores
+        size = pte.stat().st_size / 2**20
+        rows[name] = dict(export_s=export_s.get(name), size_mib=size,
+                          **bench_python(pte, len(ids), args.new_tokens, args.repeats))
+        print(f"{name}: {rows[name]}", file=sys.stderr, flush=True)
         if name == CPP_OF and CPP_RUNNER.is_file():
-            tok = AutoTokenizer.from_pretrained(out_dir)
-            rows[name + ", C++ runner"] = dict(export_s=float("nan"), size_mib=rows[name]["size_mib"],
-                                                **bench_cpp(pte, tok.decode(ids), args.new_tokens, args.repeats))
-            print(f"{name}, C++ runner: {rows[name + ', C++ runner']}", flush=True)
+            cpp = bench_cpp(pte, tokenizer.decode(ids), args.new_tokens, args.repeats)
+            rows[f"{name}, C++ runner"] = dict(size_mib=size, **cpp)
+            print(f"{name}, C++ runner: {rows[f'{name}, C++ runner']}", file=sys.stderr, flush=True)
 
-    base = rows[BASELINE]
-    print(f"\n{args.model}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, max_seq_len "
-          f"{args.max_seq_len}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}, median of {args.repeats}\n")
-    print("| .pte | export s | size MiB | prefill tok/s | decode tok/s | ttft ms | peak RSS MiB | decode vs 8da4w "
-          "| prefill vs 8da4w | size vs 8da4w |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in rows.items():
-        rss = f"{r['rss_mib']:.0f}" if "rss_mib" in r else "-"
-        export_s = "-" if r["export_s"] != r["export_s"] else f"{r['export_s']:.0f}"
-        print(f"| {name} | {export_s} | {r['size_mib']:.1f} | {r['prefill']:.0f} | {r['decode']:.1f} | "
-              f"{r['ttft_ms']:.0f} | {rss} | {r['decode'] / base['decode']:.3f} | {r['prefill'] / base['prefill']:.3f} "
-              f"| {r['size_mib'] / base['size_mib']:.2f} |")
+    gguf = gguf_of(args.model)
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        llama_note = "llama.cpp row skipped: `pip install llama-cpp-python` to add it"
+    else:
+        llama_note = None if gguf else f"llama.cpp row skipped: {args.model} is not a .gguf file"
+    if args.no_llama_cpp:
+        llama_note = "llama.cpp row skipped (--no-llama-cpp)"
+    if llama_note is None:
+        r = bench_llama_cpp(gguf, ids, args)
+        version, extra = r.pop("version"), r.pop("extra_bufts")
+        rows[LLAMA_CPP] = dict(size_mib=Path(gguf).stat().st_size / 2**20, **r)
+        llama_note = (f"llama.cpp: llama-cpp-python {version}, n_threads={THREADS}, n_ctx={args.max_seq_len}"
+                      + ("" if extra else ", extra buffer types (AMX, repack) off: its AMX matmul crashed here"))
+        print(f"{LLAMA_CPP}: {rows[LLAMA_CPP]}", file=sys.stderr, flush=True)
+
+    print_table(rows, f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens (greedy, no EOS stop), "
+                      f"max_seq_len {args.max_seq_len}, {THREADS} threads, median of {args.repeats}; export s is wall time "
+                      f"with {args.parallel_exports} exports at once; {llama_note}; "
+                      f"whole run {(time.perf_counter() - t_start) / 60:.1f} min")
 
 
 if __name__ == "__main__":

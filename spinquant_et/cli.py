@@ -361,6 +361,7 @@ def cmd_bench(args) -> int:
     import statistics
 
     from .runtime import PteModel, generate
+    from .sysinfo import peak_rss_mib
 
     model = PteModel(args.pte)
     tokenizer = _tokenizer_for(args.pte, args.tokenizer)
@@ -375,11 +376,13 @@ def cmd_bench(args) -> int:
     rows = {"ttft_ms": [r.ttft_s * 1000 for r in runs], "prefill_tok_s": [r.prefill_tok_s for r in runs],
             "decode_tok_s": [r.decode_tok_s for r in runs]}
     summary = {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in rows.items()}
+    rss = peak_rss_mib()  # the whole process: Python, torch and the program
     if args.json:
         print(json.dumps({"pte": args.pte, "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens,
-                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **summary}))
+                          "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **summary, "peak_rss_mib": rss}))
     else:
-        print(f"{args.pte}: {len(ids)} prompt tokens, {args.max_new_tokens} new, {args.repeats} repeats")
+        print(f"{args.pte}: {len(ids)} prompt tokens, {args.max_new_tokens} new, {args.repeats} repeats; "
+              f"peak RSS {rss:.0f} MiB")
         print("| metric | min | median | max |\n|---|---|---|---|")
         for k, v in summary.items():
             print(f"| {k} | {v['min']:.1f} | {v['median']:.1f} | {v['max']:.1f} |")

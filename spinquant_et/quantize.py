@@ -101,20 +101,20 @@ def _run_layer(layer, args, kwargs) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _hessians(layer, names: tuple[str, ...], inputs) -> dict[str, torch.Tensor]:
-    """GPTQ Hessians of the linears ``names`` of ``layer`` over the calibration ``inputs``; each pass
-    stops after the last of them ran (the rest of the layer is not needed)."""
+def _hessian(layer, names: tuple[str, ...], inputs) -> torch.Tensor:
+    """The GPTQ Hessian of the linears ``names`` of ``layer``, which all read the same input (q/k/v;
+    gate/up), over the calibration ``inputs``. One accumulation serves them all, and each pass stops
+    as soon as the first of them has its input (the rest of the layer is not needed)."""
     from .quant.gptq import HessianAccumulator
 
-    modules = {n: layer.get_submodule(n) for n in names}
-    acc = {n: HessianAccumulator(m.in_features) for n, m in modules.items()}
+    first = layer.get_submodule(names[0])
+    acc = HessianAccumulator(first.in_features)
 
-    def collect(module, inp, out, name):
-        acc[name].add(module.effective_input(inp[0]))
-        if name == names[-1]:
-            raise _Stop
+    def collect(module, inp, out):
+        acc.add(module.effective_input(inp[0]))
+        raise _Stop
 
-    hooks = [m.register_forward_hook(lambda mod, a, o, n=n: collect(mod, a, o, n)) for n, m in modules.items()]
+    hook = first.register_forward_hook(collect)
     try:
         for args, kwargs in inputs:
             try:
@@ -122,9 +122,8 @@ def _hessians(layer, names: tuple[str, ...], inputs) -> dict[str, torch.Tensor]:
             except _Stop:
                 pass
     finally:
-        for h in hooks:
-            h.remove()
-    return {n: a.h for n, a in acc.items()}
+        hook.remove()
+    return acc.h
 
 
 @torch.no_grad()
@@ -139,10 +138,11 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
     layers = loaded.model.get_submodule(arch.layers)
     inputs = _layer_inputs(loaded, calibration)
     qtensors: dict[str, torch.Tensor] = {}
-    steps = ((arch.q, arch.k, arch.v), (arch.o,), (arch.gate, arch.up), (arch.down,))
+    steps = ((arch.q, arch.k, arch.v), (arch.o,), (arch.gate, arch.up), (arch.down,))  # each: one shared input
     for i, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
         for names in steps:
-            for n, h in _hessians(layer, names, inputs).items():
+            h = _hessian(layer, names, inputs)
+            for n in names:
                 m = layer.get_submodule(n)
                 q, scales = gptq_quantize(m.weight, h, recipe.w_bits, recipe.group_size, clip=recipe.w_clip,
                                           act_order=recipe.act_order)

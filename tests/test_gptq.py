@@ -36,7 +36,30 @@ def test_hessian_accumulator_is_the_mean_outer_product():
     acc = HessianAccumulator(16)
     for chunk in x.split(70):
         acc.add(chunk)
-    torch.testing.assert_close(acc.h, 2 * x.T @ x / 300)
+    # each chunk's x^T x is formed in float32 (relative error ~1e-7 per term), summed in float64
+    torch.testing.assert_close(acc.h, 2 * x.T @ x / 300, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
+def test_linears_that_share_a_hessian_read_the_same_input(model_type):
+    """GPTQ forms one Hessian for q/k/v and one for gate/up; that is right only if each group's
+    linears multiply the same (rotated, activation-quantized) input, which this checks per architecture."""
+    loaded = tiny_model(model_type)
+    quantize(loaded, QuantRecipe(w_bits=16, a_bits=4, kv_bits=4), progress=False)
+    arch, layer = loaded.arch, loaded.model.get_submodule(loaded.arch.layers)[0]
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen[name] = module.effective_input(args[0])  # returns None: the output stays as it is
+        return hook
+
+    for n in (arch.q, arch.k, arch.v, arch.gate, arch.up):
+        layer.get_submodule(n).register_forward_hook(keep(n))
+    with torch.no_grad():
+        loaded.model(torch.arange(24)[None])
+    assert torch.equal(seen[arch.q], seen[arch.k]) and torch.equal(seen[arch.q], seen[arch.v])
+    assert torch.equal(seen[arch.gate], seen[arch.up])
 
 
 @pytest.mark.parametrize("group_size", [32, -1])

@@ -105,6 +105,25 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
         qm = quantize(loaded, recipe, calib_text=calib_text)
         tensors, config, arch, tokenizer = qm.checkpoint_tensors(), loaded.model.config, loaded.arch, loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
+    return _lower(tensors, config, arch, recipe, tokenizer, out, max_seq_len, ops, force, seconds)
+
+
+def export_quantized(qm, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False,
+                     ops: str = "portable") -> ExportResult:
+    """Lower an in-memory ``QuantizedModel`` (from ``quantize``) to ``out``, as ``export`` would."""
+    from ..io import refuse_existing
+
+    out = Path(out)
+    refuse_existing(out, force)
+    check_exportable(qm.recipe)
+    check_ops(ops, qm.recipe)
+    loaded = qm.loaded
+    return _lower(qm.checkpoint_tensors(), loaded.model.config, loaded.arch, qm.recipe, loaded.tokenizer, out,
+                  max_seq_len, ops, force, {})
+
+
+def _lower(tensors, config, arch, recipe, tokenizer, out: Path, max_seq_len: int, ops: str, force: bool,
+           seconds: dict[str, float]) -> ExportResult:
     t0 = time.perf_counter()
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
     seconds["build"] = time.perf_counter() - t0

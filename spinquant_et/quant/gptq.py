@@ -89,9 +89,10 @@ class HessianAccumulator:
         self.n = 0
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).double()
+        # One window's x^T x in float32 (a few hundred terms: ~1e-6 relative error, and 2-4x faster
+        # than float64 on CPU), summed across windows in float64.
+        x = x.detach().reshape(-1, x.shape[-1]).float()
         t = x.shape[0]
         self.h *= self.n / (self.n + t)
         self.n += t
-        x = x * (2 / self.n) ** 0.5
-        self.h += x.T @ x
+        self.h += (x.T @ x).double() * (2 / self.n)

@@ -233,9 +233,9 @@ def optimize_rotations(loaded: LoadedModel, samples: torch.Tensor, out: str | Pa
     if rank == 0:
         save_rotations(out, r1, r2)
         seconds = time.perf_counter() - t0
-        import resource
+        from ..sysinfo import peak_rss_mib
 
-        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        peak_mib = peak_rss_mib()
         steps_run = max(1, cfg.steps - start_step)
         out.with_name(out.name + ".loss.json").write_text(json.dumps(
             {"loss": trainer.losses, "config": asdict(cfg), "seconds": seconds, "seconds_per_step": seconds / steps_run,

@@ -1,0 +1,119 @@
+"""The bench scripts run end to end on tiny models, print the tables README shows, and their
+numbers mean something: the .pte row tracks its eager cell, every row's peak RSS is its own."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _cells(stdout: str, row: str) -> list[str]:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith(f"| {row} |"))
+    return [c.strip() for c in line.strip("|").split("|")][1:]
+
+
+def test_bench_quality_prints_eager_and_pte_rows(trained_tiny_dir, tmp_path):
+    """Spinquant preset on a trained tiny Llama; the W4A8 Hadamard-GPTQ cell also as a lowered .pte,
+    whose token-by-token perplexity must match the eager fake-quant one (same integers; the program
+    also quantizes lm_head's input to int8 and sums in another order: a few tenths of a percent on
+    SmolLM2, 3% allowed here on 94 tokens)."""
+    r = _run([str(SCRIPTS / "bench_quality.py"), "--model", str(trained_tiny_dir), "--windows", "2", "--seq-len", "48",
+              "--calib-samples", "4", "--pte-columns", "hadamard-gptq", "--json-out", "q.json"], tmp_path)
+    header = _cells(r.stdout, "recipe")
+    assert header == ["no rotation, RTN", "Hadamard, RTN", "Hadamard, GPTQ"]
+    fp = float(_cells(r.stdout, "FP (fp32)")[0])
+    eager = [float(c.split()[0]) for c in _cells(r.stdout, "W4A8 g32")]
+    pte = _cells(r.stdout, "W4A8 g32, `.pte` (XNNPACK 8da4w)")
+    assert pte[0] == "-" and pte[1] == "-"
+    pte_gptq = float(pte[2].split()[0])
+    assert all(e > fp * 0.99 for e in eager)
+    assert abs(pte_gptq / eager[2] - 1) < 0.03, (pte_gptq, eager[2])
+    assert len(_cells(r.stdout, "W4A4KV4 g32")) == 3
+    assert (tmp_path / "q.json").is_file() and re.search(r"whole run [\d.]+ min", r.stdout)
+
+
+def test_bench_quality_rejects_an_unknown_pte_column(trained_tiny_dir, tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPTS / "bench_quality.py"), "--model", str(trained_tiny_dir),
+                        "--pte-columns", "gptq"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "--pte-columns: no column 'gptq'" in r.stderr
+
+
+def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
+    """Two .pte variants, each benched in its own process: the table has both, with ratios to 8da4w
+    (1.000 for the baseline itself) and a peak RSS per row; the model is no .gguf, so llama.cpp is skipped."""
+    r = _run([str(SCRIPTS / "bench_speed.py"), "--model", str(tiny_hf_dir["llama"]), "--out-dir", "b", "--only",
+              "8da4w + R1-R4", "--max-seq-len", "64", "--prompt-tokens", "16", "--new-tokens", "8", "--repeats", "1"],
+             tmp_path)
+    assert "llama.cpp row skipped" in r.stdout
+    base, rotated = _cells(r.stdout, "8da4w"), _cells(r.stdout, "8da4w + R1-R4")
+    cols = _cells(r.stdout, "runtime, file")
+    assert base[cols.index("decode vs 8da4w")] == "1.000"
+    for row in (base, rotated):
+        assert float(row[cols.index("decode tok/s")]) > 0 and float(row[cols.index("peak RSS MiB")]) > 50
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.pte")) == ["8da4w-64.pte", "8da4w_R1_R4-64.pte"]
+
+
+@pytest.mark.parametrize("missing", ["lm_eval"])
+def test_lm_eval_without_the_package_says_how_to_get_it(missing, monkeypatch):
+    """With lm-eval absent (simulated by hiding the module), the bench gets a one-line reason, not a traceback."""
+    from spinquant_et.eval import LMEvalUnavailable, load_lm_eval_tasks
+
+    monkeypatch.setitem(sys.modules, missing, None)  # `import lm_eval` now raises ImportError
+    monkeypatch.setitem(sys.modules, f"{missing}.tasks", None)
+    with pytest.raises(LMEvalUnavailable, match="pip install lm-eval"):
+        load_lm_eval_tasks(["arc_easy"])
+
+
+def _local_task(folder: Path, n: int = 24) -> str:
+    """An lm-eval multiple-choice task over a local JSON file: which of two continuations of a sentence
+    from the built-in text is the real one (the other is the same words reversed)."""
+    import json
+
+    from spinquant_et.data import builtin_text
+
+    words = builtin_text("train")[:200_000].split()
+    docs = []
+    for i in range(n):
+        start = 997 * i % (len(words) - 40)
+        context, real = " ".join(words[start:start + 16]), words[start + 16:start + 24]
+        docs.append({"context": context, "choices": [" " + " ".join(real), " " + " ".join(real[::-1])], "label": 0})
+    (folder / "docs.jsonl").write_text("\n".join(json.dumps(d) for d in docs))
+    (folder / "local_order.yaml").write_text(
+        "task: local_order\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {folder / 'docs.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    return "local_order"
+
+
+def test_lm_eval_scores_a_fake_quant_model_on_a_local_task(trained_tiny_dir, tmp_path, monkeypatch):
+    """lm-eval's real harness, offline: a task over a local JSON file, scored on the float model and a
+    W4A8 Hadamard fake-quant copy. The trained tiny model has learned word order, so it must beat chance."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from spinquant_et.eval import lm_eval_scores, lm_eval_table, load_lm_eval_tasks
+    from spinquant_et.models import load_model
+    from spinquant_et.quantize import quantize
+    from spinquant_et.recipe import QuantRecipe
+
+    task = _local_task(tmp_path)
+    tasks = load_lm_eval_tasks([task], str(tmp_path))
+    fp = lm_eval_scores(load_model(str(trained_tiny_dir)), tasks)
+    quantized = quantize(load_model(str(trained_tiny_dir)), QuantRecipe(a_bits=8), progress=False)
+    q = lm_eval_scores(quantized.loaded, tasks)
+    assert fp[task]["acc"] > 0.6 and 0 <= q[task]["acc"] <= 1, (fp, q)
+    table = lm_eval_table({"FP": fp, "W4A8": q})
+    assert table.splitlines()[0] == f"| model | {task} acc |" and table.count("\n") == 3
