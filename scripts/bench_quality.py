@@ -15,9 +15,10 @@ optimize``) + RTN / GPTQ. Int8 per-channel embeddings and lm_head everywhere. GP
 ``sweep``: rows W8A8 (per channel), W4A16, W4A8, W4A4KV4 (groups of 32, plain RTN) and W4A4KV4
 with the clipping search; columns no rotation and random Hadamard R1-R4.
 
-``.pte`` row: the W4A8 cells of ``--pte-columns`` are also lowered to an XNNPACK ``.pte`` (8-bit
-dynamic activations x int4 weights, the same integers) and that program's perplexity is measured
-on the same windows, one token per call through its KV cache, as a runner would use it.
+``.pte`` row (printed last): the W4A8 cells of ``--pte-columns`` are also lowered to an XNNPACK
+``.pte`` (8-bit dynamic activations x int4 weights, the same integers; in a child process while the
+other cells run) and that program's perplexity is measured on the same windows, one token per call
+through its KV cache, as a runner would use it.
 
 ``--lm-eval TASKS``: zero-shot accuracy of every eager fake-quant cell (and FP) through
 lm-eval's API; needs ``pip install lm-eval`` and its datasets (from the hub or a local cache).
@@ -33,6 +34,7 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -74,15 +76,32 @@ def columns(preset: str, learned: str | None) -> list[tuple[str, str, str, str]]
     return cols
 
 
-def pte_perplexity_of(qm, windows: torch.Tensor) -> float:
-    """Lower ``qm`` to a temporary .pte (context = window length) and measure that program's perplexity."""
-    from spinquant_et.export.pipeline import export_quantized
-    from spinquant_et.runtime import PteModel, pte_perplexity
+class BackgroundExport:
+    """Lower a quantized model to a .pte in a child process while the eager cells go on: lowering is
+    single-threaded Python for minutes, the eager cells are 2-thread matmuls, so the two overlap well.
+    The checkpoint goes to a temp dir first (the child reads it as `spinquant-et export DIR` would)."""
 
-    with tempfile.TemporaryDirectory(prefix="bench_quality.") as tmp:
-        pte = Path(tmp) / "model.pte"
-        export_quantized(qm, pte, max_seq_len=windows.shape[1])
-        return pte_perplexity(PteModel(pte), windows, progress=False)
+    def __init__(self, qm, max_seq_len: int):
+        from spinquant_et.checkpoint import save_quantized
+
+        self.tmp = tempfile.TemporaryDirectory(prefix="bench_quality.")
+        ckpt = save_quantized(qm, Path(self.tmp.name) / "ckpt")
+        self.pte = Path(self.tmp.name) / "model.pte"
+        self.proc = subprocess.Popen([sys.executable, "-m", "spinquant_et.cli", "export", "--model", str(ckpt),
+                                      "--max-seq-len", str(max_seq_len), "--out", str(self.pte)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def perplexity(self, windows: torch.Tensor) -> float:
+        """Wait for the program, then its perplexity on ``windows``, one token per call through its KV cache."""
+        from spinquant_et.runtime import PteModel, pte_perplexity
+
+        try:
+            _, err = self.proc.communicate()
+            if self.proc.returncode != 0:
+                raise SystemExit(f"error: the .pte export failed:\n{err[-2000:]}")
+            return pte_perplexity(PteModel(self.pte), windows, progress=False)
+        finally:
+            self.tmp.cleanup()
 
 
 def main() -> None:
@@ -136,8 +155,9 @@ def main() -> None:
             return "-"
         return f"{ppl:.2f} ({ppl / fp:.2f}x)" if args.preset == "spinquant" else f"{ppl:.2f}"
 
+    exports: dict[str, BackgroundExport] = {}
     for name, kw in PRESETS[args.preset]:
-        ppl_row, pte_row = results["ppl"].setdefault(name, {}), {}
+        ppl_row = results["ppl"].setdefault(name, {})
         for col, _, rotation, method in cols:
             t0 = time.perf_counter()
             loaded = copy.deepcopy(base)
@@ -148,14 +168,20 @@ def main() -> None:
             if lm_eval_tasks:
                 results["lm_eval"][f"{name} / {col}"] = lm_eval_scores(qm.loaded, lm_eval_tasks, args.lm_eval_limit)
             if name == PTE_ROW and col in pte_cols:
-                t0 = time.perf_counter()
-                pte_row[col] = results["pte"][col] = pte_perplexity_of(qm, windows)
-                log.warning(".pte %s / %s: %.2f (%.0fs)", name, col, pte_row[col], time.perf_counter() - t0)
+                exports[col] = BackgroundExport(qm, windows.shape[1])
             del loaded, qm
         print(f"| {name} | " + " | ".join(cell(ppl_row[c]) for c in headers) + " |", flush=True)
-        if pte_row:
-            print(f"| {name}, `.pte` (XNNPACK 8da4w) | " + " | ".join(cell(pte_row.get(c)) for c in headers) + " |",
-                  flush=True)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(results, indent=2))
+
+    if exports:  # after the eager rows, so the exports overlapped them
+        for col, job in exports.items():
+            t0 = time.perf_counter()
+            results["pte"][col] = job.perplexity(windows)
+            log.warning(".pte %s / %s: %.2f (%.0fs after the eager cells)", PTE_ROW, col, results["pte"][col],
+                        time.perf_counter() - t0)
+        print(f"| {PTE_ROW}, `.pte` (XNNPACK 8da4w) | " + " | ".join(cell(results["pte"].get(c)) for c in headers)
+              + " |", flush=True)
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=2))
 

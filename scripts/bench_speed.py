@@ -20,11 +20,13 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 THREADS = 2
 VARIANTS = {  # name: `spinquant-et export` flags
@@ -122,17 +124,24 @@ def measure_llama_cpp(gguf: str, ids: list[int], new_tokens: int, repeats: int, 
                 version=llama_cpp.__version__, extra_bufts=extra_bufts)
 
 
-def bench_llama_cpp(gguf: str, ids: list[int], args) -> dict:
-    """The llama.cpp row, in a child process; again without extra buffer types if that one crashes."""
+def bench_llama_cpp(gguf: str, ids: list[int], args, state: dict) -> dict:
+    """The llama.cpp row, in a child process; without extra buffer types from the first crash on
+    (``state`` remembers it, and the version, across rounds)."""
     cmd = [sys.executable, __file__, "--measure-llama-cpp", gguf, "--ids", ",".join(map(str, ids)), "--new-tokens",
            str(args.new_tokens), "--repeats", str(args.repeats), "--max-seq-len", str(args.max_seq_len)]
+    if state.get("extra_bufts") is False:
+        cmd.append("--no-extra-bufts")
     r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
-    if r.returncode < 0:  # killed by a signal (SIGSEGV in ggml_backend_amx_mul_mat seen on a VM)
-        print(f"llama.cpp crashed (signal {-r.returncode}); again without extra buffer types", file=sys.stderr)
-        return last_json(cmd + ["--no-extra-bufts"])
+    if r.returncode < 0 and "--no-extra-bufts" not in cmd:  # killed by a signal: SIGSEGV/SIGILL in its AMX matmul here
+        state["crash"] = signal.Signals(-r.returncode).name
+        print(f"llama.cpp crashed ({state['crash']}); again without extra buffer types", file=sys.stderr)
+        cmd.append("--no-extra-bufts")
+        r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
     if r.returncode != 0:
         raise SystemExit(f"error: the llama.cpp row failed:\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    state["version"], state["extra_bufts"] = out.pop("version"), out.pop("extra_bufts")
+    return out
 
 
 def gguf_of(model: str) -> str | None:
@@ -193,7 +202,8 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=512, help="of every .pte and llama.cpp's context (default 512)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="runs per process (after a warm-up; default 3)")
+    p.add_argument("--rounds", type=int, default=3, help="fresh processes per row, interleaved across rows (default 3)")
     p.add_argument("--reuse", action="store_true", help="bench existing .pte files instead of re-exporting")
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), help=f"these .pte variants (and {BASELINE}; default: all)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row")
@@ -221,17 +231,17 @@ def main() -> None:
     # the prompt every row gets: the first tokens of the built-in held-out text
     tokenizer = _load_tokenizer(str(out_dir))
     ids = tokenize(tokenizer, builtin_text("test"))[: args.prompt_tokens].tolist()
-    rows: dict[str, dict] = {}
-    for name, pte in ptes.items():  # one at a time: measurements never share the cores
+    # Every row is measured once per round, rounds interleave the rows, and a row's figures are the
+    # median over rounds: on a shared 2-core VM, speed drifts by tens of percent over minutes, and
+    # interleaving spreads the slow spells over all rows instead of landing on one.
+    measure: dict[str, tuple[float, float | None, Callable[[], dict]]] = {}  # name: (size, export s, one run)
+    for name, pte in ptes.items():
         size = pte.stat().st_size / 2**20
-        rows[name] = dict(export_s=export_s.get(name), size_mib=size,
-                          **bench_python(pte, len(ids), args.new_tokens, args.repeats))
-        print(f"{name}: {rows[name]}", file=sys.stderr, flush=True)
+        measure[name] = (size, export_s.get(name), lambda pte=pte: bench_python(pte, len(ids), args.new_tokens,
+                                                                               args.repeats))
         if name == CPP_OF and CPP_RUNNER.is_file():
-            cpp = bench_cpp(pte, tokenizer.decode(ids), args.new_tokens, args.repeats)
-            rows[f"{name}, C++ runner"] = dict(size_mib=size, **cpp)
-            print(f"{name}, C++ runner: {rows[f'{name}, C++ runner']}", file=sys.stderr, flush=True)
-
+            measure[f"{name}, C++ runner"] = (size, None, lambda pte=pte: bench_cpp(pte, tokenizer.decode(ids),
+                                                                                      args.new_tokens, args.repeats))
     gguf = gguf_of(args.model)
     try:
         import llama_cpp  # noqa: F401
@@ -241,16 +251,28 @@ def main() -> None:
         llama_note = None if gguf else f"llama.cpp row skipped: {args.model} is not a .gguf file"
     if args.no_llama_cpp:
         llama_note = "llama.cpp row skipped (--no-llama-cpp)"
+    llama_state: dict = {}
     if llama_note is None:
-        r = bench_llama_cpp(gguf, ids, args)
-        version, extra = r.pop("version"), r.pop("extra_bufts")
-        rows[LLAMA_CPP] = dict(size_mib=Path(gguf).stat().st_size / 2**20, **r)
-        llama_note = (f"llama.cpp: llama-cpp-python {version}, n_threads={THREADS}, n_ctx={args.max_seq_len}"
-                      + ("" if extra else ", extra buffer types (AMX, repack) off: its AMX matmul crashed here"))
-        print(f"{LLAMA_CPP}: {rows[LLAMA_CPP]}", file=sys.stderr, flush=True)
+        measure[LLAMA_CPP] = (Path(gguf).stat().st_size / 2**20, None,
+                              lambda: bench_llama_cpp(gguf, ids, args, llama_state))
+
+    runs: dict[str, list[dict]] = {name: [] for name in measure}
+    for round_ in range(args.rounds):
+        for name, (_, _, run_once) in measure.items():
+            runs[name].append(run_once())
+            print(f"round {round_ + 1}/{args.rounds}, {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    rows = {name: dict(export_s=export, size_mib=size, **{k: statistics.median(r[k] for r in runs[name])
+                                                          for k in ("prefill", "decode", "ttft_ms")},
+                       rss_mib=max(r["rss_mib"] for r in runs[name]))
+            for name, (size, export, _) in measure.items()}
+    if llama_state:
+        llama_note = (f"llama.cpp: llama-cpp-python {llama_state['version']}, n_threads={THREADS}, n_ctx={args.max_seq_len}"
+                      + ("" if llama_state["extra_bufts"] else
+                         f", extra buffer types (AMX, repack) off: with them it crashed here ({llama_state['crash']})"))
 
     print_table(rows, f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens (greedy, no EOS stop), "
-                      f"max_seq_len {args.max_seq_len}, {THREADS} threads, median of {args.repeats}; export s is wall time "
+                      f"max_seq_len {args.max_seq_len}, {THREADS} threads, median of {args.rounds} interleaved rounds x "
+                      f"{args.repeats} runs; export s is wall time "
                       f"with {args.parallel_exports} exports at once; {llama_note}; "
                       f"whole run {(time.perf_counter() - t_start) / 60:.1f} min")
 

@@ -108,20 +108,6 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     return _lower(tensors, config, arch, recipe, tokenizer, out, max_seq_len, ops, force, seconds)
 
 
-def export_quantized(qm, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN, force: bool = False,
-                     ops: str = "portable") -> ExportResult:
-    """Lower an in-memory ``QuantizedModel`` (from ``quantize``) to ``out``, as ``export`` would."""
-    from ..io import refuse_existing
-
-    out = Path(out)
-    refuse_existing(out, force)
-    check_exportable(qm.recipe)
-    check_ops(ops, qm.recipe)
-    loaded = qm.loaded
-    return _lower(qm.checkpoint_tensors(), loaded.model.config, loaded.arch, qm.recipe, loaded.tokenizer, out,
-                  max_seq_len, ops, force, {})
-
-
 def _lower(tensors, config, arch, recipe, tokenizer, out: Path, max_seq_len: int, ops: str, force: bool,
            seconds: dict[str, float]) -> ExportResult:
     t0 = time.perf_counter()
