@@ -26,27 +26,21 @@ lm-eval's API; needs ``pip install lm-eval`` and its datasets (from the hub or a
 
 from __future__ import annotations
 
-import os
+import argparse
+import copy
+import json
+import logging
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: ExecuTorch's workers (the .pte row) need the cores
-
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
-
-from spinquant_et.data import load_text, token_windows, tokenize  # noqa: E402
-from spinquant_et.eval import LMEvalUnavailable, lm_eval_scores, lm_eval_table, load_lm_eval_tasks, perplexity  # noqa: E402
-from spinquant_et.models import load_model  # noqa: E402
-from spinquant_et.quantize import quantize  # noqa: E402
-from spinquant_et.recipe import QuantRecipe  # noqa: E402
+from spinquant_et.data import load_text, token_windows, tokenize
+from spinquant_et.eval import LMEvalUnavailable, lm_eval_scores, lm_eval_table, load_lm_eval_tasks, perplexity
+from spinquant_et.models import load_model
+from spinquant_et.quantize import quantize
+from spinquant_et.recipe import QuantRecipe
 
 PRESETS = {
     "sweep": [
@@ -76,30 +70,34 @@ def columns(preset: str, learned: str | None) -> list[tuple[str, str, str, str]]
     return cols
 
 
-class BackgroundExport:
-    """Lower a quantized model to a .pte in a child process while the eager cells go on: lowering is
-    single-threaded Python for minutes, the eager cells are 2-thread matmuls, so the two overlap well.
-    The checkpoint goes to a temp dir first (the child reads it as `spinquant-et export DIR` would)."""
+class BackgroundPte:
+    """Lower a quantized model to a .pte and measure that program's perplexity, in a child process,
+    while the eager cells go on: lowering is minutes of single-threaded Python, and the program must
+    run with OMP_NUM_THREADS=1 (see spinquant_et.runtime), which would halve the eager cells here.
+    The checkpoint goes to a temp dir; the child runs `spinquant-et export DIR` then `eval X.pte`
+    on the same text, window length and count, so on the same tokens."""
 
-    def __init__(self, qm, max_seq_len: int):
+    def __init__(self, qm, args):
+        import shlex
+
         from spinquant_et.checkpoint import save_quantized
 
         self.tmp = tempfile.TemporaryDirectory(prefix="bench_quality.")
         ckpt = save_quantized(qm, Path(self.tmp.name) / "ckpt")
-        self.pte = Path(self.tmp.name) / "model.pte"
-        self.proc = subprocess.Popen([sys.executable, "-m", "spinquant_et.cli", "export", "--model", str(ckpt),
-                                      "--max-seq-len", str(max_seq_len), "--out", str(self.pte)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        pte = Path(self.tmp.name) / "model.pte"
+        cli = [sys.executable, "-m", "spinquant_et.cli"]
+        export = [*cli, "export", "--model", str(ckpt), "--max-seq-len", str(args.seq_len), "--out", str(pte)]
+        evaluate = [*cli, "eval", "--model", str(pte), "--seq-len", str(args.seq_len), "--windows", str(args.windows),
+                    "--json"] + (["--text-file", args.text_file] if args.text_file else [])
+        self.proc = subprocess.Popen(["bash", "-c", f"{shlex.join(export)} > /dev/null && {shlex.join(evaluate)}"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def perplexity(self, windows: torch.Tensor) -> float:
-        """Wait for the program, then its perplexity on ``windows``, one token per call through its KV cache."""
-        from spinquant_et.runtime import PteModel, pte_perplexity
-
+    def perplexity(self) -> float:
         try:
-            _, err = self.proc.communicate()
+            out, err = self.proc.communicate()
             if self.proc.returncode != 0:
-                raise SystemExit(f"error: the .pte export failed:\n{err[-2000:]}")
-            return pte_perplexity(PteModel(self.pte), windows, progress=False)
+                raise SystemExit(f"error: the .pte export or its evaluation failed:\n{err[-2000:]}")
+            return json.loads(out.strip().splitlines()[-1])["perplexity"]
         finally:
             self.tmp.cleanup()
 
@@ -155,7 +153,7 @@ def main() -> None:
             return "-"
         return f"{ppl:.2f} ({ppl / fp:.2f}x)" if args.preset == "spinquant" else f"{ppl:.2f}"
 
-    exports: dict[str, BackgroundExport] = {}
+    exports: dict[str, BackgroundPte] = {}
     for name, kw in PRESETS[args.preset]:
         ppl_row = results["ppl"].setdefault(name, {})
         for col, _, rotation, method in cols:
@@ -168,7 +166,7 @@ def main() -> None:
             if lm_eval_tasks:
                 results["lm_eval"][f"{name} / {col}"] = lm_eval_scores(qm.loaded, lm_eval_tasks, args.lm_eval_limit)
             if name == PTE_ROW and col in pte_cols:
-                exports[col] = BackgroundExport(qm, windows.shape[1])
+                exports[col] = BackgroundPte(qm, args)
             del loaded, qm
         print(f"| {name} | " + " | ".join(cell(ppl_row[c]) for c in headers) + " |", flush=True)
         if args.json_out:
@@ -177,7 +175,7 @@ def main() -> None:
     if exports:  # after the eager rows, so the exports overlapped them
         for col, job in exports.items():
             t0 = time.perf_counter()
-            results["pte"][col] = job.perplexity(windows)
+            results["pte"][col] = job.perplexity()
             log.warning(".pte %s / %s: %.2f (%.0fs after the eager cells)", PTE_ROW, col, results["pte"][col],
                         time.perf_counter() - t0)
         print(f"| {PTE_ROW}, `.pte` (XNNPACK 8da4w) | " + " | ".join(cell(results["pte"].get(c)) for c in headers)
