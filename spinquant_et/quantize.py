@@ -101,13 +101,13 @@ def _run_layer(layer, args, kwargs) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _hessian(layer, names: tuple[str, ...], inputs) -> torch.Tensor:
-    """The GPTQ Hessian of the linears ``names`` of ``layer``, which all read the same input (q/k/v;
-    gate/up), over the calibration ``inputs``. One accumulation serves them all, and each pass stops
-    as soon as the first of them has its input (the rest of the layer is not needed)."""
+def _hessian(layer, name: str, inputs) -> torch.Tensor:
+    """The GPTQ Hessian of the linear ``name`` of ``layer`` over the calibration ``inputs``; it also
+    serves the linears that read the same input (k/v beside q, up beside gate). Each pass stops as
+    soon as ``name`` has its input (the rest of the layer is not needed)."""
     from .quant.gptq import HessianAccumulator
 
-    first = layer.get_submodule(names[0])
+    first = layer.get_submodule(name)
     acc = HessianAccumulator(first.in_features)
 
     def collect(module, inp, out):
@@ -141,7 +141,7 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
     steps = ((arch.q, arch.k, arch.v), (arch.o,), (arch.gate, arch.up), (arch.down,))  # each: one shared input
     for i, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
         for names in steps:
-            h = _hessian(layer, names, inputs)
+            h = _hessian(layer, names[0], inputs)
             for n in names:
                 m = layer.get_submodule(n)
                 q, scales = gptq_quantize(m.weight, h, recipe.w_bits, recipe.group_size, clip=recipe.w_clip,

@@ -105,11 +105,6 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
         qm = quantize(loaded, recipe, calib_text=calib_text)
         tensors, config, arch, tokenizer = qm.checkpoint_tensors(), loaded.model.config, loaded.arch, loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
-    return _lower(tensors, config, arch, recipe, tokenizer, out, max_seq_len, ops, force, seconds)
-
-
-def _lower(tensors, config, arch, recipe, tokenizer, out: Path, max_seq_len: int, ops: str, force: bool,
-           seconds: dict[str, float]) -> ExportResult:
     t0 = time.perf_counter()
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
     seconds["build"] = time.perf_counter() - t0
