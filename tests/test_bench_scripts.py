@@ -117,3 +117,24 @@ def test_lm_eval_scores_a_fake_quant_model_on_a_local_task(trained_tiny_dir, tmp
     assert fp[task]["acc"] > 0.6 and 0 <= q[task]["acc"] <= 1, (fp, q)
     table = lm_eval_table({"FP": fp, "W4A8": q})
     assert table.splitlines()[0] == f"| model | {task} acc |" and table.count("\n") == 3
+
+
+def test_profile_pte_accounts_for_the_decode_time(tiny_pte, tmp_path):
+    """The per-operator table of a tiny .pte: its quantized linears are there with one call per
+    linear and token (2 layers x q, k, v, o, gate+up stacked, down), and the rows add up to no more
+    than the whole method's time."""
+    r = _run([str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--prompt-tokens", "8", "--steps", "4"], tmp_path)
+    rows = {}
+    for line in r.stdout.splitlines()[3:]:
+        name, calls, ms, _ = (c.strip() for c in line.strip("|").split("|"))
+        rows[name] = (float(calls), float(ms))
+    total = rows.pop("**Method::execute**")[1]
+    assert rows["Fully Connected (NC, QDU8, F32, QB4W) GEMM"][0] == 12
+    assert "native_call_index_put_" in rows
+    assert 0 < sum(ms for _, ms in rows.values()) <= total * 1.01
+
+
+def test_profile_pte_refuses_more_steps_than_the_cache_holds(tiny_pte, tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--steps", "500"], cwd=tmp_path,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "max_seq_len 96" in r.stderr

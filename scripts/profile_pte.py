@@ -1,0 +1,104 @@
+"""Where a ``.pte``'s decode time goes: milliseconds per token by operator, from ExecuTorch's ETDump.
+
+    python scripts/profile_pte.py bench_out/8da4w_R1_R4-512.pte [--prompt-tokens 128 --steps 64]
+
+Runs one prompt, then ``--steps`` single-token decode calls through the KV cache (2 XNNPACK threads,
+as the runners use), and prints one markdown table: each kind of operator (XNNPACK's own operator
+names inside delegate calls; ``native_call_*`` and custom ops outside them), its calls per token,
+its milliseconds per token and its share of ``Method::execute``. "delegate call overhead" is the
+delegate calls' time not spent in any XNNPACK operator (input/output set-up, dynamic-shape
+reshapes, the dynamic quantization of activations). Profiling itself adds a little time; compare
+shares between files rather than absolute figures with ``bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: see spinquant_et.runtime
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, list[float]], float]:
+    """``{operator kind: [calls per token, ms per token]}`` over the decode steps, and ms per token."""
+    import torch
+
+    from spinquant_et.errors import SpinQuantError
+    from spinquant_et.runtime import PteModel
+
+    try:  # kernels of et-llama programs, as PteModel loads them
+        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+        import executorch.kernels.quantized  # noqa: F401
+    except Exception:  # pragma: no cover - depends on the wheel
+        pass
+    from executorch.devtools import Inspector
+    from executorch.extension.pybindings import portable_lib
+
+    max_seq = PteModel(pte).max_seq_len
+    if prompt_tokens + steps >= max_seq:
+        raise SpinQuantError(f"--prompt-tokens + --steps must stay below the program's max_seq_len {max_seq}")
+    module = portable_lib._load_for_executorch(str(pte), enable_etdump=True)
+    generator = torch.Generator().manual_seed(0)
+    module.run_method("forward", (torch.randint(0, 100, (1, prompt_tokens), generator=generator), torch.tensor([0])))
+    for i in range(steps):
+        module.run_method("forward", (torch.tensor([[7]]), torch.tensor([prompt_tokens + i])))
+    with tempfile.TemporaryDirectory() as tmp:
+        etdump = os.path.join(tmp, "run.etdp")
+        module.write_etdump_result_to_file(etdump)
+        inspector = Inspector(etdump_path=etdump)
+    ms, calls, inside = collections.Counter(), collections.Counter(), 0.0
+    for block in inspector.event_blocks:
+        for event in block.events:
+            if event.perf_data is None:
+                continue
+            decode = event.perf_data.raw[1:]  # raw[0] is the prompt's call
+            kind = re.sub(r" #\d+$", "", event.name)  # XNNPACK numbers operators of one kind per partition
+            ms[kind] += sum(decode) / steps
+            calls[kind] += len(decode) / steps
+            if event.is_delegated_op:
+                inside += sum(decode) / steps
+    total = ms.pop("Method::execute", 0.0)
+    for name in ("Method::init", "Program::load_method", "OPERATOR_CALL"):
+        ms.pop(name, None)
+    if "DELEGATE_CALL" in ms:
+        ms["delegate call overhead"] = ms.pop("DELEGATE_CALL") - inside
+        calls["delegate call overhead"] = calls["DELEGATE_CALL"]
+    return {k: [calls[k], v] for k, v in ms.items()}, total
+
+
+def table(rows: dict[str, list[float]], total: float) -> str:
+    lines = ["| operator | calls per token | ms per token | share |", "|---|---|---|---|"]
+    for name, (n, ms) in sorted(rows.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"| {name} | {n:.0f} | {ms:.3f} | {ms / total:.1%} |")
+    lines.append(f"| **Method::execute** | 1 | {total:.3f} | 100% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spinquant_et.errors import SpinQuantError
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("pte", type=Path)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length before the decode steps (default 128)")
+    p.add_argument("--steps", type=int, default=64, help="profiled decode steps (default 64)")
+    args = p.parse_args(argv)
+    try:
+        rows, total = profile(args.pte, args.prompt_tokens, args.steps)
+    except SpinQuantError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{args.pte}: decode after a {args.prompt_tokens}-token prompt, mean of {args.steps} steps")
+    print(table(rows, total))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
