@@ -29,36 +29,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, list[float]], float]:
     """``{operator kind: [calls per token, ms per token]}`` over the decode steps, and ms per token."""
     import torch
+    from executorch.devtools import Inspector
 
     from spinquant_et.errors import SpinQuantError
     from spinquant_et.runtime import PteModel
 
-    try:  # kernels of et-llama programs, as PteModel loads them
-        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
-        import executorch.kernels.quantized  # noqa: F401
-    except Exception:  # pragma: no cover - depends on the wheel
-        pass
-    from executorch.devtools import Inspector
-    from executorch.extension.pybindings import portable_lib
-
-    max_seq = PteModel(pte).max_seq_len
-    if prompt_tokens + steps >= max_seq:
-        raise SpinQuantError(f"--prompt-tokens + --steps must stay below the program's max_seq_len {max_seq}")
-    module = portable_lib._load_for_executorch(str(pte), enable_etdump=True)
+    model = PteModel(pte, etdump=True)
+    if prompt_tokens + steps >= model.max_seq_len:
+        raise SpinQuantError(f"--prompt-tokens + --steps must stay below the program's max_seq_len {model.max_seq_len}")
     generator = torch.Generator().manual_seed(0)
-    module.run_method("forward", (torch.randint(0, 100, (1, prompt_tokens), generator=generator), torch.tensor([0])))
+    model.forward(torch.randint(0, 100, (prompt_tokens,), generator=generator).tolist(), 0)
     for i in range(steps):
-        module.run_method("forward", (torch.tensor([[7]]), torch.tensor([prompt_tokens + i])))
+        model.forward([7], prompt_tokens + i)
     with tempfile.TemporaryDirectory() as tmp:
         etdump = os.path.join(tmp, "run.etdp")
-        module.write_etdump_result_to_file(etdump)
+        # the API takes a debug-buffer path too; nothing is recorded there
+        model.program.write_etdump_result_to_file(etdump, os.path.join(tmp, "debug.bin"))
         inspector = Inspector(etdump_path=etdump)
     ms, calls, inside = collections.Counter(), collections.Counter(), 0.0
     for block in inspector.event_blocks:
         for event in block.events:
             if event.perf_data is None:
                 continue
-            decode = event.perf_data.raw[1:]  # raw[0] is the prompt's call
+            decode = event.perf_data.raw[1:]  # raw[0] is the prompt's call (or a metadata method's only one)
             kind = re.sub(r" #\d+$", "", event.name)  # XNNPACK numbers operators of one kind per partition
             ms[kind] += sum(decode) / steps
             calls[kind] += len(decode) / steps

@@ -45,9 +45,12 @@ class GenerationStats:
 
 
 class PteModel:
-    """A loaded ``.pte`` LLM: ``forward(tokens, pos) -> logits`` plus its metadata methods."""
+    """A loaded ``.pte`` LLM: ``forward(tokens, pos) -> logits`` plus its metadata methods.
 
-    def __init__(self, path: str | Path):
+    ``etdump=True`` records every operator's time (``program.write_etdump_result_to_file``).
+    """
+
+    def __init__(self, path: str | Path, etdump: bool = False):
         import torch  # noqa: F401  (loads libtorch before ExecuTorch's extensions)
 
         try:  # kernels some programs need; ours need only XNNPACK, but stock et-llama programs use these
@@ -61,7 +64,7 @@ class PteModel:
         if not self.path.is_file():
             raise SpinQuantError(f".pte not found: {self.path}")
         try:
-            self.program = Runtime.get().load_program(self.path)
+            self.program = Runtime.get().load_program(self.path, enable_etdump=etdump)
         except Exception:
             raise SpinQuantError(f"{self.path} is not an ExecuTorch program (corrupt or not a .pte); re-export it") from None
         try:
