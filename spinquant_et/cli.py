@@ -52,6 +52,14 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
                    help=f"per-token dynamic activation bits on every linear input but lm_head (default {d.a_bits})")
     p.add_argument("--kv-bits", type=_bits, default=d.kv_bits,
                    help=f"KV cache bits, per token and head; 16 = float (default {d.kv_bits})")
+    p.add_argument("--a-clip", type=float, default=d.a_clip,
+                   help="eager fake-quant only: shrink each token's activation range by this ratio before quantizing "
+                   f"(QuaRot/SpinQuant's a_clip_ratio; default {d.a_clip})")
+    p.add_argument("--k-clip", type=float, default=d.k_clip, help=f"eager fake-quant only: K clip ratio (default {d.k_clip})")
+    p.add_argument("--v-clip", type=float, default=d.v_clip, help=f"eager fake-quant only: V clip ratio (default {d.v_clip})")
+    p.add_argument("--o-per-head", action="store_true",
+                   help="eager fake-quant only: quantize o_proj's input per head, as the SpinQuant reference does "
+                   "(XNNPACK quantizes per token over all heads)")
     p.add_argument("--embedding-bits", type=_bits, default=d.embedding_bits, help="embedding bits, per row (default 8)")
     p.add_argument("--lm-head-bits", type=_bits, default=d.lm_head_bits, help="lm_head bits, per row (default 8)")
     p.add_argument("--w-method", choices=["rtn", "gptq"], default=d.w_method,
@@ -72,7 +80,8 @@ def _recipe(args) -> QuantRecipe:
         rotation=args.rotation, w_bits=args.w_bits, group_size=args.group_size, w_clip=args.w_clip,
         a_bits=args.a_bits, kv_bits=args.kv_bits, embedding_bits=args.embedding_bits,
         lm_head_bits=args.lm_head_bits, seed=args.seed, w_method=args.w_method, act_order=args.act_order,
-        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len,
+        calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, a_clip=args.a_clip, k_clip=args.k_clip,
+        v_clip=args.v_clip, o_per_head=args.o_per_head,
     )
 
 
@@ -101,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_text_flags(e, default_windows=32)
     e.add_argument("--a-bits", type=_bits, help="override activation bits (fake-quant)")
     e.add_argument("--kv-bits", type=_bits, help="override KV cache bits (fake-quant)")
+    e.add_argument("--reference", metavar="MODEL",
+                   help="the float model to compare with on the same tokens (e.g. smollm2-135m): adds its perplexity, "
+                   "the mean KL divergence KL(P_ref || P_model) per token and the top-1 agreement (the fraction of "
+                   "positions where both pick the same next token), as llama-perplexity --kl-divergence reports")
     e.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     x = sub.add_parser("export", help="quantize (or take a quantized checkpoint) and lower to an ExecuTorch .pte",
@@ -140,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     o.add_argument("--lr", type=float, default=1.5, help="Cayley SGD learning rate, cosine-annealed (default 1.5)")
     o.add_argument("--batch-size", type=int, default=1, help="windows per step, over all processes (default 1)")
+    o.add_argument("--loss", choices=["ce", "kl"], default="ce",
+                   help="ce: next-token cross-entropy on the text (the reference); kl: KL divergence from the float "
+                   "model's predictions (one extra forward per step; measures only the quantization damage) (default ce)")
+    o.add_argument("--grad-clip", type=float, default=1.0,
+                   help="global gradient-norm limit over all rotations, 0 = off (default 1.0, as the reference's HF Trainer)")
+    o.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bfloat16 autocast (default: on with CUDA, or a CPU with native bf16 such as AVX512-BF16/AMX)")
     o.add_argument("--seed", type=int, default=0, help="seed of the initial Hadamards and of the batches (default 0)")
     o.add_argument("--device", default="auto", help="cpu, cuda or auto: cuda when available (default auto)")
     o.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (default 10)")
@@ -224,22 +244,46 @@ def _tokenizer_for(pte: str, explicit: str | None):
     return _load_tokenizer(str(where))
 
 
-def cmd_eval_pte(args) -> int:
+def _eval_windows(tokenizer, args):
     from .data import load_text, token_windows, tokenize
-    from .runtime import PteModel, pte_perplexity
+
+    return token_windows(tokenize(tokenizer, load_text(args.text_file, "test")), args.seq_len, args.windows)
+
+
+def _reference_model(args):
+    """The float model of ``--reference``, run as it is (no fake-quant), or None."""
+    if not args.reference:
+        return None
+    from .models import load_model
+
+    return load_model(args.reference).model
+
+
+def _print_eval(result: dict, label: str, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    head, row = ["model", "recipe", "windows x seq", "perplexity"], [
+        result["model"], label, f"{result['windows']} x {result['seq_len']}", f"{result['perplexity']:.3f}"]
+    if "mean_kl" in result:
+        head += ["reference ppl", "ppl / ref", "mean KL (nats)", "top-1 agreement"]
+        row += [f"{result['reference_perplexity']:.3f}", f"{result['ppl_ratio']:.4f}", f"{result['mean_kl']:.5f}",
+                f"{100 * result['top1_agreement']:.2f}%"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n| " + " | ".join(row) + " |")
+
+
+def cmd_eval_pte(args) -> int:
+    from .runtime import PteModel, pte_token_stats
 
     model = PteModel(args.model)
     tokenizer = _tokenizer_for(args.model, None)
-    windows = token_windows(tokenize(tokenizer, load_text(args.text_file, "test")), args.seq_len, args.windows)
+    windows = _eval_windows(tokenizer, args)
+    reference = _reference_model(args)
     t0 = time.perf_counter()
-    ppl = pte_perplexity(model, windows)
-    result = {"model": args.model, "perplexity": ppl, "windows": int(windows.shape[0]), "seq_len": args.seq_len,
-              "tokens": int(windows.numel()), "seconds": round(time.perf_counter() - t0, 2)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"| model | windows x seq | perplexity |\n|---|---|---|\n| {args.model} | {result['windows']} x "
-              f"{args.seq_len} | {ppl:.3f} |")
+    stats = pte_token_stats(model, windows, reference=reference)
+    result = {"model": args.model, **stats.summary(), "windows": int(windows.shape[0]), "seq_len": args.seq_len,
+              "tokens": int(windows.numel()), "reference": args.reference, "seconds": round(time.perf_counter() - t0, 2)}
+    _print_eval(result, ".pte", args.json)
     return 0
 
 
@@ -251,6 +295,17 @@ def cmd_export(args) -> int:
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")
     return 0
+
+
+def _bf16_default(device: str) -> bool:
+    """bf16 autocast where matmuls have native bf16: CUDA, or a CPU with AVX512-BF16 or AMX (read at run time)."""
+    if device.startswith("cuda"):
+        return True
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
 def cmd_optimize(args) -> int:
@@ -279,7 +334,8 @@ def cmd_optimize(args) -> int:
     try:
         cfg = OptimizeConfig(a_bits=args.a_bits, kv_bits=args.kv_bits, w_bits=args.w_bits, group_size=args.group_size,
                              steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
-                             checkpoint_every=args.checkpoint_every)
+                             checkpoint_every=args.checkpoint_every, loss=args.loss, grad_clip=args.grad_clip,
+                             bf16=_bf16_default(args.device) if args.bf16 is None else args.bf16)
         loaded = load_model(args.model)
         samples = calibration_windows(loaded.tokenizer, args.calib_text, args.seq_len, args.samples, args.seed)
         trainer = optimize_rotations(loaded, samples, out, cfg, args.device, args.resume, rank=rank, world=world)
@@ -390,8 +446,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .data import load_text, token_windows, tokenize
-    from .eval import perplexity
+    from .eval import token_stats
     from .models import load_model
     from .online import attach_online
 
@@ -401,27 +456,25 @@ def cmd_eval(args) -> int:
     recipe = loaded.recipe
     a_bits = args.a_bits if args.a_bits is not None else (recipe.a_bits if recipe else NO_QUANT)
     kv_bits = args.kv_bits if args.kv_bits is not None else (recipe.kv_bits if recipe else NO_QUANT)
-    attach_online(loaded.model, loaded.arch, bool(recipe and recipe.rotated), a_bits, kv_bits)
-    windows = token_windows(tokenize(loaded.tokenizer, load_text(args.text_file, "test")), args.seq_len, args.windows)
+    attach_online(loaded.model, loaded.arch, bool(recipe and recipe.rotated), a_bits, kv_bits,
+                  **(recipe.online_kwargs() if recipe else {}))
+    windows = _eval_windows(loaded.tokenizer, args)
+    reference = _reference_model(args)
     t0 = time.perf_counter()
-    ppl = perplexity(loaded.model, windows, args.batch_size)
+    stats = token_stats(loaded.model, windows, args.batch_size, reference=reference)
     result = {
         "model": args.model,
-        "perplexity": ppl,
+        **stats.summary(),
         "windows": int(windows.shape[0]),
         "seq_len": args.seq_len,
         "tokens": int(windows.numel()),
         "a_bits": a_bits,
         "kv_bits": kv_bits,
         "recipe": json.loads(recipe.to_json()) if recipe else None,
+        "reference": args.reference,
         "seconds": round(time.perf_counter() - t0, 2),
     }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        label = recipe.label() if recipe else f"float (A{a_bits} KV{kv_bits})"
-        print(f"| model | recipe | windows x seq | perplexity |\n|---|---|---|---|\n"
-              f"| {args.model} | {label} | {result['windows']} x {args.seq_len} | {ppl:.3f} |")
+    _print_eval(result, recipe.label() if recipe else f"float (A{a_bits} KV{kv_bits})", args.json)
     return 0
 
 

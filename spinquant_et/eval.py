@@ -3,23 +3,78 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 
+@dataclass
+class TokenStats:
+    """Next-token statistics summed over windows: the model's NLL and, against a reference (the float
+    model on the same tokens), the KL divergence and how often both pick the same top-1 token.
+
+    Perplexity alone hides how often a quantized model picks another token; these are the statistics
+    of llama.cpp's ``llama-perplexity --kl-divergence`` (mean KL(P_ref || P_model), "same top p")."""
+
+    nll: float = 0.0
+    tokens: int = 0
+    ref_nll: float = 0.0
+    kl: float = 0.0
+    same_top1: int = 0
+    compared: int = 0
+
+    @torch.no_grad()
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        """``logits [T, V]`` predicting ``targets [T]``; ``reference [T, V]``: the reference model's logits."""
+        logp = torch.log_softmax(logits.float(), -1)
+        self.nll -= logp.gather(-1, targets[:, None]).sum().item()
+        self.tokens += targets.numel()
+        if reference is None:
+            return
+        ref_logp = torch.log_softmax(reference.float(), -1)
+        self.ref_nll -= ref_logp.gather(-1, targets[:, None]).sum().item()
+        self.kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
+        self.same_top1 += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
+        self.compared += targets.numel()
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    def summary(self) -> dict[str, float]:
+        """``perplexity`` and, when a reference was given, ``reference_perplexity``, ``ppl_ratio``,
+        ``mean_kl`` (nats per token) and ``top1_agreement`` (fraction of tokens)."""
+        out = {"perplexity": self.perplexity}
+        if self.compared:
+            ref_ppl = math.exp(self.ref_nll / self.compared)
+            out.update(reference_perplexity=ref_ppl, ppl_ratio=self.perplexity / ref_ppl,
+                       mean_kl=self.kl / self.compared, top1_agreement=self.same_top1 / self.compared)
+        return out
+
+
+def window_logits(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, L-1, V]`` predicting ``batch[:, 1:]`` from an eager HF model."""
+    return model(batch, use_cache=False).logits[:, :-1]
+
+
 @torch.no_grad()
+def token_stats(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
+                reference: torch.nn.Module | None = None) -> TokenStats:
+    """``TokenStats`` of an eager model over every position of every window ``[N, L]``, against
+    ``reference`` (an eager model run on the same windows) when given."""
+    stats = TokenStats()
+    for batch in tqdm(windows.split(batch_size), desc="perplexity", disable=not progress):
+        logits = window_logits(model, batch)
+        ref = window_logits(reference, batch) if reference is not None else None
+        for i in range(batch.shape[0]):
+            stats.add(logits[i], batch[i, 1:], None if ref is None else ref[i])
+    return stats
+
+
 def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = True) -> float:
     """``exp(mean NLL)`` of next-token prediction over every position of every window ``[N, L]``."""
-    total_nll, total_tokens = 0.0, 0
-    batches = windows.split(batch_size)
-    for batch in tqdm(batches, desc="perplexity", disable=not progress):
-        logits = model(batch, use_cache=False).logits[:, :-1].float()
-        targets = batch[:, 1:]
-        total_nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum").item()
-        total_tokens += targets.numel()
-    return math.exp(total_nll / total_tokens)
+    return token_stats(model, windows, batch_size, progress).perplexity
 
 
 class LMEvalUnavailable(Exception):

@@ -25,35 +25,36 @@ ATTN_IMPL = "spinquant_sdpa"
 class QuantLinear(nn.Linear):
     """``y = Q_a(T(x)) W^T + b``: T an optional online Hadamard, Q_a per-token fake-quant."""
 
-    def __init__(self, linear: nn.Linear, a_bits: int = NO_QUANT, input_transform: nn.Module | None = None):
+    def __init__(self, linear: nn.Linear, a_bits: int = NO_QUANT, input_transform: nn.Module | None = None,
+                 a_group_size: int = 0, a_clip: float = 1.0):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.a_bits = a_bits
+        self.a_bits, self.a_group_size, self.a_clip = a_bits, a_group_size, a_clip
         self.input_transform = input_transform
 
     def effective_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the weight multiplies: the transformed, quantized input (GPTQ's Hessian is built from it)."""
         if self.input_transform is not None:
             x = self.input_transform(x)
-        return fake_quant_per_token(x, self.a_bits)
+        return fake_quant_per_token(x, self.a_bits, self.a_group_size, self.a_clip)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.effective_input(x), self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, a_bits={self.a_bits}"
+        return f"{super().extra_repr()}, a_bits={self.a_bits}, a_group_size={self.a_group_size}, a_clip={self.a_clip}"
 
 
 class KVQuantizer(nn.Module):
     """Per-token, per-head asymmetric fake-quant of K or V ``[batch, heads, seq, head_dim]``."""
 
-    def __init__(self, bits: int):
+    def __init__(self, bits: int, clip: float = 1.0):
         super().__init__()
-        self.bits = bits
+        self.bits, self.clip = bits, clip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quant_per_token(x, self.bits)
+        return fake_quant_per_token(x, self.bits, clip_ratio=self.clip)
 
 
 def spinquant_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -63,9 +64,9 @@ def spinquant_sdpa(module, query, key, value, attention_mask, **kwargs):
     r3 = getattr(module, "r3", None)
     if r3 is not None:
         query, key = r3(query), r3(key)
-    kv_quant = getattr(module, "kv_quant", None)
-    if kv_quant is not None:
-        key, value = kv_quant(key), kv_quant(value)
+    k_quant, v_quant = getattr(module, "k_quant", None), getattr(module, "v_quant", None)
+    if k_quant is not None:
+        key, value = k_quant(key), v_quant(value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -82,10 +83,14 @@ def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
     setattr(parent.get_submodule(owner) if owner else parent, name, new)
 
 
-def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, kv_bits: int) -> nn.Module:
+def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, kv_bits: int, a_clip: float = 1.0,
+                  k_clip: float = 1.0, v_clip: float = 1.0, o_per_head: bool = False) -> nn.Module:
     """Install R3/R4 (when ``rotated``) and activation/KV fake-quant; idempotent, returns ``model``.
 
     Every linear but lm_head gets its input quantized (lm_head's input stays float, as in SpinQuant).
+    ``a_clip``/``k_clip``/``v_clip`` shrink each token's range before quantizing (QuaRot/SpinQuant's
+    ``a_clip_ratio``, ``k_clip_ratio``, ``v_clip_ratio``); ``o_per_head`` quantizes o_proj's input per
+    head (``head_dim`` groups, as the SpinQuant reference does) instead of per token over all heads.
     """
     from .rotation.apply import head_dim_of
 
@@ -96,16 +101,19 @@ def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, 
         for name in arch.linears:
             lin = layer.get_submodule(name)
             transform = HadamardTransform(cfg.intermediate_size) if (rotated and name == arch.down) else None
+            group = hd if (o_per_head and name == arch.o) else 0
             if isinstance(lin, QuantLinear):
-                lin.a_bits, lin.input_transform = a_bits, transform
+                lin.a_bits, lin.input_transform, lin.a_group_size, lin.a_clip = a_bits, transform, group, a_clip
             else:
-                _replace(layer, name, QuantLinear(lin, a_bits, transform))
+                _replace(layer, name, QuantLinear(lin, a_bits, transform, group, a_clip))
         attn = layer.get_submodule(arch.q.rpartition(".")[0])
         attn.r3 = HadamardTransform(hd) if rotated else None
-        attn.kv_quant = KVQuantizer(kv_bits) if kv_bits < NO_QUANT else None
+        quantized = kv_bits < NO_QUANT
+        attn.k_quant = KVQuantizer(kv_bits, k_clip) if quantized else None
+        attn.v_quant = KVQuantizer(kv_bits, v_clip) if quantized else None
     model.set_attn_implementation(ATTN_IMPL)
     return model
 
 
 def attach_recipe(model: nn.Module, arch: ArchSpec, recipe: QuantRecipe) -> nn.Module:
-    return attach_online(model, arch, recipe.rotated, recipe.a_bits, recipe.kv_bits)
+    return attach_online(model, arch, recipe.rotated, recipe.a_bits, recipe.kv_bits, **recipe.online_kwargs())

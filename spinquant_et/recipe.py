@@ -39,6 +39,12 @@ class QuantRecipe:
     act_order: bool = False  # GPTQ: visit columns by decreasing Hessian diagonal
     calib_samples: int = 32  # GPTQ calibration windows ...
     calib_seq_len: int = 512  # ... of this many tokens
+    # Eager fake-quant only (XNNPACK's dynamic activation quantization takes each token's full range,
+    # per token): clip ratios of activations and K/V, and o_proj's input quantized per head.
+    a_clip: float = 1.0
+    k_clip: float = 1.0
+    v_clip: float = 1.0
+    o_per_head: bool = False
 
     def __post_init__(self):
         for name in ("w_bits", "a_bits", "kv_bits", "embedding_bits", "lm_head_bits"):
@@ -50,6 +56,9 @@ class QuantRecipe:
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise SpinQuantError(f"--calib-samples must be >= 1 and --calib-seq-len >= 2, got {self.calib_samples}, "
                                  f"{self.calib_seq_len}")
+        for name in ("a_clip", "k_clip", "v_clip"):
+            if not 0.5 <= getattr(self, name) <= 1.0:
+                raise SpinQuantError(f"--{name.replace('_', '-')} must be in [0.5, 1.0], got {getattr(self, name)}")
         if self.w_method not in W_METHODS:
             raise SpinQuantError(f"unknown weight method {self.w_method!r}; choose one of {', '.join(W_METHODS)}")
         if self.rotation not in ROTATIONS and not Path(self.rotation).suffix == ".bin":
@@ -70,6 +79,10 @@ class QuantRecipe:
                 raise SpinQuantError(
                     f"--group-size {self.group_size} does not divide in_features {in_features} of {name}; use {hint}"
                 )
+
+    def online_kwargs(self) -> dict:
+        """The keyword arguments of ``online.attach_online`` beyond rotation and bits."""
+        return dict(a_clip=self.a_clip, k_clip=self.k_clip, v_clip=self.v_clip, o_per_head=self.o_per_head)
 
     def label(self) -> str:
         """Short name like ``W4A8KV16-hadamard`` for tables."""

@@ -9,7 +9,6 @@ in the environment before torch loads. The CLI sets it before importing anything
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -149,25 +148,38 @@ def generate(model: PteModel, prompt_ids: list[int], max_new_tokens: int = 128, 
     return out, GenerationStats(len(prompt_ids), len(out), ttft, t_prefill, decode_s)
 
 
-def pte_perplexity(model: PteModel, windows, progress: bool = True) -> float:
-    """Perplexity of the program itself: each window fed one token at a time (the program returns the
-    last position's logits), next-token NLL summed over every position."""
+def pte_token_stats(model: PteModel, windows, progress: bool = True, reference=None):
+    """``eval.TokenStats`` of the program itself: each window fed one token at a time through its KV
+    cache (the program returns the last position's logits), as a runner uses it; against the eager
+    ``reference`` model on the same windows when given."""
     import torch
     from tqdm.auto import tqdm
+
+    from .eval import TokenStats, window_logits
 
     seq_len = windows.shape[1]
     if seq_len > model.max_seq_len:
         raise SpinQuantError(f"--seq-len {seq_len} exceeds the program's context of {model.max_seq_len}")
-    nll, count = 0.0, 0
+    stats = TokenStats()
     bar = tqdm(total=windows.shape[0] * (seq_len - 1), desc="pte perplexity", disable=not progress)
-    for window in windows.tolist():
+    for window in windows:
+        ids = window.tolist()
+        logits = []
         for pos in range(seq_len - 1):
-            logits = model.forward([window[pos]], pos)
-            nll -= torch.log_softmax(logits.float(), -1)[window[pos + 1]].item()
-            count += 1
+            logits.append(model.forward([ids[pos]], pos).float().clone())
             bar.update(1)
+        ref = None
+        if reference is not None:
+            with torch.no_grad():
+                ref = window_logits(reference, window[None])[0]
+        stats.add(torch.stack(logits), window[1:], ref)
     bar.close()
-    return math.exp(nll / count)
+    return stats
+
+
+def pte_perplexity(model: PteModel, windows, progress: bool = True) -> float:
+    """Perplexity of the program, token by token through its KV cache (see ``pte_token_stats``)."""
+    return pte_token_stats(model, windows, progress).perplexity
 
 
 class TextStreamer:

@@ -82,3 +82,39 @@ def test_weight_fake_quant_with_given_scales_matches_rtn_and_passes_gradients():
     torch.testing.assert_close(out, dequantize_weight(*quantize_weight(w.detach(), 4, 32, scales)))
     out.sum().backward()
     assert torch.equal(w.grad, torch.ones_like(w))
+
+
+@pytest.mark.parametrize("bad", [dict(a_clip=0.3), dict(k_clip=1.1), dict(v_clip=0)])
+def test_clip_ratios_out_of_range_are_refused(bad):
+    with pytest.raises(SpinQuantError, match="clip must be in"):
+        QuantRecipe(**bad)
+
+
+def test_online_clip_ratios_and_per_head_o_proj_reach_the_quantizers(tiny_hf_dir):
+    """The recipe's eager-only A4/KV4 levers land on every quantizer they name, and o_proj's per-head
+    grouping keeps one loud head from wrecking the others' resolution."""
+    from spinquant_et.models import load_model
+    from spinquant_et.online import QuantLinear, attach_recipe
+
+    loaded = load_model(str(tiny_hf_dir["llama"]))
+    recipe = QuantRecipe(a_bits=4, kv_bits=4, a_clip=0.9, k_clip=0.95, v_clip=0.8, o_per_head=True)
+    attach_recipe(loaded.model, loaded.arch, recipe)
+    layer = loaded.model.model.layers[0]
+    o = layer.self_attn.o_proj
+    assert isinstance(o, QuantLinear) and o.a_group_size == loaded.model.config.head_dim and o.a_clip == 0.9
+    assert layer.mlp.down_proj.a_group_size == 0
+    assert (layer.self_attn.k_quant.clip, layer.self_attn.v_quant.clip) == (0.95, 0.8)
+    x = torch.randn(1, 4, o.in_features)
+    x[..., : o.a_group_size] *= 100
+    quiet = slice(o.a_group_size, None)
+    per_head = (o.effective_input(x) - x)[..., quiet].abs().max()
+    o.a_group_size = 0
+    assert per_head < 0.2 * (o.effective_input(x) - x)[..., quiet].abs().max()
+
+
+def test_eager_only_levers_are_not_exportable():
+    from spinquant_et.export.build import check_exportable
+
+    for kw in (dict(a_clip=0.9), dict(o_per_head=True), dict(kv_bits=8, k_clip=0.9)):
+        with pytest.raises(SpinQuantError, match="not exportable"):
+            check_exportable(QuantRecipe(**kw))

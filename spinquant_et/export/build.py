@@ -36,6 +36,10 @@ def check_exportable(recipe: QuantRecipe) -> None:
         problems.append(f"--a-bits {recipe.a_bits} with float weights (use --a-bits 16)")
     if recipe.kv_bits not in (8, NO_QUANT):
         problems.append(f"--kv-bits {recipe.kv_bits} (the exported KV cache is int8 or float: use 8 or 16)")
+    if recipe.a_clip != 1.0 or recipe.o_per_head:
+        problems.append("--a-clip/--o-per-head (XNNPACK quantizes activations per token over their full range)")
+    if recipe.k_clip != 1.0 or recipe.v_clip != 1.0:
+        problems.append("--k-clip/--v-clip (the exported KV cache quantizes each token over its full range)")
     for name in ("embedding_bits", "lm_head_bits"):
         if getattr(recipe, name) not in (8, NO_QUANT):
             problems.append(f"--{name.replace('_', '-')} {getattr(recipe, name)} (use 8 or 16)")

@@ -10,9 +10,10 @@ and minimizes next-token cross-entropy. Embeddings and lm_head are not re-rotate
 final RMSNorm is fused, so it commutes with R1).
 
 Cayley SGD keeps each matrix exactly orthogonal: with the Euclidean gradient G of X, the skew
-matrix ``A = G X^T - X G^T`` gives the curve ``Y(a) = (I + a/2 A)^-1 (I - a/2 A) X`` whose slope
-at 0 is the negative Riemannian gradient. The step is ``min(lr, 1 / ||A||)``, as in the
-reference (Li et al. 2020, used by SpinQuant with lr 1.5, 100 steps, cosine schedule).
+matrix ``W = (G X^T - X G^T) / 2`` gives the curve ``Y(a) = (I + a/2 W)^-1 (I - a/2 W) X`` whose
+slope at 0 is half the negative Riemannian gradient, and the step is ``min(lr, 1 / ||W||_1)``: the
+reference's SGDG exactly (Li et al. 2020, used by SpinQuant with lr 1.5, 100 steps, cosine schedule,
+gradients clipped to norm 1 by the HF Trainer).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..errors import SpinQuantError
 from ..models.load import LoadedModel, untie_embeddings
-from ..online import attach_online
+from ..online import QuantLinear, attach_online
 from ..quant.quantizer import fake_quant_weight_ste
 from ..quant.rtn import clip_scales
 from ..recipe import NO_QUANT
@@ -42,7 +43,14 @@ log = logging.getLogger(__name__)
 
 
 class CayleySGD(torch.optim.Optimizer):
-    """SGD on orthogonal matrices through the Cayley transform (square parameters only)."""
+    """SGD on orthogonal matrices through the Cayley transform (square parameters only).
+
+    As the reference's ``SGDG`` (SpinQuant ``train_utils/optimizer.py``, momentum 0): with the
+    Euclidean gradient G of X, the skew matrix ``W = (G X^T - X G^T) / 2`` and the step
+    ``min(lr, 1 / ||W||_1)`` (the largest column sum, which keeps the Cayley curve well inside its
+    radius of convergence). The reference approximates the Cayley transform by 5 fixed-point
+    iterations; we solve it exactly, so orthogonality holds to rounding.
+    """
 
     def __init__(self, params, lr: float = 1.5, eps: float = 1e-8):
         super().__init__(params, {"lr": lr, "eps": eps})
@@ -55,16 +63,29 @@ class CayleySGD(torch.optim.Optimizer):
                 if x.grad is None:
                     continue
                 g, xd = x.grad.double(), x.double()
-                a = g @ xd.T - xd @ g.T
-                alpha = min(group["lr"], 1.0 / (torch.linalg.matrix_norm(a).item() + group["eps"]))
+                a = (g @ xd.T - xd @ g.T) / 2
+                alpha = min(group["lr"], 1.0 / (torch.linalg.matrix_norm(a, ord=1).item() + group["eps"]))
                 eye = torch.eye(a.shape[0], dtype=torch.float64, device=a.device)
                 y = torch.linalg.solve(eye + alpha / 2 * a, (eye - alpha / 2 * a) @ xd)
                 x.copy_(y.to(x.dtype))
         return loss
 
 
+LOSSES = ("ce", "kl")
+
+
 @dataclass
 class OptimizeConfig:
+    """What ``optimize`` trains for and how.
+
+    loss: "ce" = next-token cross-entropy on the calibration text (the reference); "kl" = KL divergence
+        from the float model's next-token distribution (its logits under no_grad, one extra forward): the
+        gradient then measures quantization damage only, not how well the text itself is predicted.
+    grad_clip: the global gradient-norm limit over all rotations (the reference trains under the HF
+        Trainer, whose ``max_grad_norm`` is 1.0); 0 = off.
+    bf16: autocast matmuls to bfloat16 (on CUDA, and on CPUs with native bf16 such as AVX512-BF16 or AMX).
+    """
+
     a_bits: int = 4
     kv_bits: int = 4
     w_bits: int = NO_QUANT
@@ -74,6 +95,16 @@ class OptimizeConfig:
     batch_size: int = 1
     seed: int = 0
     checkpoint_every: int = 10
+    loss: str = "ce"
+    grad_clip: float = 1.0
+    bf16: bool = False
+
+    def __post_init__(self):
+        if self.loss not in LOSSES:
+            raise SpinQuantError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
+            raise SpinQuantError(f"--steps and --batch-size must be >= 1 and --lr > 0 (got {self.steps}, "
+                                 f"{self.batch_size}, {self.lr})")
 
 
 class _RotatedLayer(nn.Module):
@@ -117,6 +148,8 @@ class RotationTrainer:
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=cfg.steps)
         self.step_done = 0
         self.losses: list[float] = []
+        self._float = False  # True while the float teacher runs (loss "kl")
+        self._scales: dict[tuple[int, str], torch.Tensor] = {}  # this step's weight scales, reused by the recompute
         model.get_submodule(self.arch.embed).register_forward_hook(lambda m, i, out: out @ self.r1)
         model.get_submodule(self.arch.lm_head).register_forward_pre_hook(lambda m, args: (args[0] @ self.r1.T,))
         layers = model.get_submodule(self.arch.layers)
@@ -127,18 +160,53 @@ class RotationTrainer:
         """Layer ``i``'s weights for the current rotations (fake-quantized when ``w_bits < 16``)."""
         params = {}
         for key, t in rotated_layer_tensors(layer, self.arch, self.r1, self.r2[i], self.head_dim).items():
-            if self.cfg.w_bits < NO_QUANT and key.endswith(".weight"):
-                # RTN with the clipping search's scales, chosen on the detached weight; STE
-                scales = clip_scales(t.detach(), self.cfg.w_bits, self.cfg.group_size)
+            if self.cfg.w_bits < NO_QUANT and key.endswith(".weight") and not self._float:
+                # RTN with the clipping search's scales, chosen on the detached weight; STE. The search
+                # runs once per step: the checkpointed backward recomputes with the same rotations.
+                scales = self._scales.get((i, key))
+                if scales is None:
+                    scales = clip_scales(t.detach().float(), self.cfg.w_bits, self.cfg.group_size)
+                    self._scales[(i, key)] = scales
                 t = fake_quant_weight_ste(t, self.cfg.w_bits, self.cfg.group_size, scales=scales)
             params[key] = t
         return params
 
+    def _autocast(self):
+        device_type = "cuda" if self.device.startswith("cuda") else "cpu"
+        return torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.cfg.bf16 or device_type == "cuda")
+
+    @torch.no_grad()
+    def _teacher_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float model's logits (rotations leave them unchanged, so any R gives the same)."""
+        quantizers = [(m, m.a_bits) for m in self.model.modules() if isinstance(m, QuantLinear)]
+        kv = [(m, m.k_quant, m.v_quant) for m in self.model.modules() if hasattr(m, "k_quant")]
+        self._float = True
+        try:
+            for m, _ in quantizers:
+                m.a_bits = NO_QUANT
+            for m, _, _ in kv:
+                m.k_quant = m.v_quant = None
+            with self._autocast():
+                return self.model(ids, use_cache=False).logits.float()
+        finally:
+            self._float = False
+            for m, bits in quantizers:
+                m.a_bits = bits
+            for m, k, v in kv:
+                m.k_quant, m.v_quant = k, v
+
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy of the fake-quant model under the current rotations."""
+        """The training loss (``cfg.loss``) of the fake-quant model under the current rotations."""
         ids = ids.to(self.device)
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.startswith("cuda"))
-        with autocast:
+        self._scales.clear()  # new rotations since the last call: new weight scales
+        if self.cfg.loss == "kl":
+            teacher = torch.log_softmax(self._teacher_logits(ids)[:, :-1], -1)
+            with self._autocast():
+                logits = self.model(ids, use_cache=False).logits
+            student = torch.log_softmax(logits[:, :-1].float(), -1)
+            return torch.nn.functional.kl_div(student.flatten(0, 1), teacher.flatten(0, 1), log_target=True,
+                                              reduction="batchmean")
+        with self._autocast():
             out = self.model(ids, labels=ids, use_cache=False)
         return out.loss.float()
 
@@ -160,6 +228,8 @@ class RotationTrainer:
             for p in (self.r1, *self.r2):
                 dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
             dist.all_reduce(value, op=dist.ReduceOp.AVG)
+        if self.cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_([self.r1, *self.r2], self.cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.step_done += 1
