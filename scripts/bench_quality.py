@@ -36,8 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from spinquant_et.data import load_text, token_windows, tokenize
-from spinquant_et.eval import LMEvalUnavailable, lm_eval_scores, lm_eval_table, load_lm_eval_tasks, perplexity
+from spinquant_et.eval import LMEvalUnavailable, lm_eval_scores, lm_eval_table, load_lm_eval_tasks, token_stats, window_logits
 from spinquant_et.models import load_model
 from spinquant_et.quantize import quantize
 from spinquant_et.recipe import QuantRecipe
@@ -54,6 +56,16 @@ PRESETS = {
         ("W4A8 g32", dict(w_bits=4, a_bits=8)),
         ("W4A4KV4 g32", dict(w_bits=4, a_bits=4, kv_bits=4)),
     ],
+    # the details that decide A4/KV4 quality, one at a time against the baseline (RTN + clip, so fast)
+    "levers": [
+        ("W4A4KV4 g32", dict(a_bits=4, kv_bits=4)),
+        ("+ activation clip 0.9", dict(a_bits=4, kv_bits=4, a_clip=0.9)),
+        ("+ K/V clip 0.95", dict(a_bits=4, kv_bits=4, k_clip=0.95, v_clip=0.95)),
+        ("+ o_proj input per head", dict(a_bits=4, kv_bits=4, o_per_head=True)),
+        ("+ float embeddings and lm_head", dict(a_bits=4, kv_bits=4, embedding_bits=16, lm_head_bits=16)),
+        ("W4A8 g32", dict(a_bits=8)),
+        ("W4A8 g32, float embeddings and lm_head", dict(a_bits=8, embedding_bits=16, lm_head_bits=16)),
+    ],
 }
 PTE_ROW = "W4A8 g32"  # the recipe XNNPACK runs (8da4w); its cells can get a .pte row
 DEFAULT_PTE_COLUMNS = "hadamard-gptq,learned-gptq"  # the recipes we recommend shipping
@@ -63,8 +75,11 @@ def columns(preset: str, learned: str | None) -> list[tuple[str, str, str, str]]
     """``(header, key, rotation, w_method)`` per column; ``key`` names it in ``--pte-columns``."""
     if preset == "sweep":
         return [("no rotation", "none-rtn", "none", "rtn"), ("Hadamard R1-R4", "hadamard-rtn", "hadamard", "rtn")]
-    cols = [("no rotation, RTN", "none-rtn", "none", "rtn"), ("Hadamard, RTN", "hadamard-rtn", "hadamard", "rtn"),
-            ("Hadamard, GPTQ", "hadamard-gptq", "hadamard", "gptq")]
+    if preset == "levers":
+        cols = [("Hadamard, RTN", "hadamard-rtn", "hadamard", "rtn")]
+        return cols + [("learned, RTN", "learned-rtn", learned, "rtn")] if learned else cols
+    cols = [("no rotation, RTN", "none-rtn", "none", "rtn"), ("no rotation, GPTQ", "none-gptq", "none", "gptq"),
+            ("Hadamard, RTN", "hadamard-rtn", "hadamard", "rtn"), ("Hadamard, GPTQ", "hadamard-gptq", "hadamard", "gptq")]
     if learned:
         cols += [("learned, RTN", "learned-rtn", learned, "rtn"), ("learned, GPTQ", "learned-gptq", learned, "gptq")]
     return cols
@@ -88,16 +103,17 @@ class BackgroundPte:
         cli = [sys.executable, "-m", "spinquant_et.cli"]
         export = [*cli, "export", "--model", str(ckpt), "--max-seq-len", str(args.seq_len), "--out", str(pte)]
         evaluate = [*cli, "eval", "--model", str(pte), "--seq-len", str(args.seq_len), "--windows", str(args.windows),
-                    "--json"] + (["--text-file", args.text_file] if args.text_file else [])
+                    "--reference", args.model, "--json"] + (["--text-file", args.text_file] if args.text_file else [])
         self.proc = subprocess.Popen(["bash", "-c", f"{shlex.join(export)} > /dev/null && {shlex.join(evaluate)}"],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
-    def perplexity(self) -> float:
+    def result(self) -> dict:
+        """``eval --json``'s result: perplexity, and KL / top-1 agreement against the float model."""
         try:
             out, err = self.proc.communicate()
             if self.proc.returncode != 0:
                 raise SystemExit(f"error: the .pte export or its evaluation failed:\n{err[-2000:]}")
-            return json.loads(out.strip().splitlines()[-1])["perplexity"]
+            return json.loads(out.strip().splitlines()[-1])
         finally:
             self.tmp.cleanup()
 
@@ -140,9 +156,17 @@ def main() -> None:
     print(f"model {args.model}; {windows.shape[0]} windows x {args.seq_len} tokens of held-out text; int8 per-channel "
           f"embeddings and lm_head in every quantized row; GPTQ: {args.calib_samples} x {args.seq_len} calibration "
           "tokens\n", flush=True)
-    fp = perplexity(base.model, windows, progress=False)
+    with torch.no_grad():  # the float model's logits, once: every cell's KL and top-1 agreement are against them
+        fp_logits = [window_logits(base.model, w[None])[0] for w in windows]
+    fp = token_stats(base.model, windows, progress=False, reference_logits=fp_logits).perplexity
     results = {"title": f"{args.model}: perplexity, {windows.shape[0]} x {args.seq_len} held-out tokens", "fp": fp,
-               "rows": [n for n, _ in PRESETS[args.preset]], "columns": headers, "ppl": {}, "pte": {}, "lm_eval": {}}
+               "rows": [n for n, _ in PRESETS[args.preset]], "columns": headers, "ppl": {}, "pte": {}, "lm_eval": {},
+               "top1": {}, "kl": {}}
+    if args.learned:
+        spent = learned_optimize_seconds(args.learned)
+        results["learned_optimize_s"] = spent
+        print(f"learned rotation {args.learned}: optimize took " + (f"{spent / 60:.1f} min" if spent else "an unknown time "
+              "(no R.bin.loss.json beside it)"), flush=True)
     print("| recipe | " + " | ".join(headers) + " |\n|---|" + "---|" * len(cols))
     print("| FP (fp32) | " + " | ".join(f"{fp:.2f}" for _ in cols) + " |", flush=True)
     if lm_eval_tasks:
@@ -161,8 +185,12 @@ def main() -> None:
             loaded = copy.deepcopy(base)
             qm = quantize(loaded, QuantRecipe(rotation=rotation, w_method=method, calib_samples=args.calib_samples,
                                               calib_seq_len=args.seq_len, **kw), progress=False)
-            ppl_row[col] = perplexity(qm.loaded.model, windows, progress=False)
-            log.warning("%s / %s: %.2f (%.0fs)", name, col, ppl_row[col], time.perf_counter() - t0)
+            stats = token_stats(qm.loaded.model, windows, progress=False, reference_logits=fp_logits).summary()
+            ppl_row[col] = stats["perplexity"]
+            results["top1"].setdefault(name, {})[col] = stats["top1_agreement"]
+            results["kl"].setdefault(name, {})[col] = stats["mean_kl"]
+            log.warning("%s / %s: %.2f, top-1 agreement %.1f%%, KL %.4f (%.0fs)", name, col, ppl_row[col],
+                        100 * stats["top1_agreement"], stats["mean_kl"], time.perf_counter() - t0)
             if lm_eval_tasks:
                 results["lm_eval"][f"{name} / {col}"] = lm_eval_scores(qm.loaded, lm_eval_tasks, args.lm_eval_limit)
             if name == PTE_ROW and col in pte_cols:
@@ -175,7 +203,10 @@ def main() -> None:
     if exports:  # after the eager rows, so the exports overlapped them
         for col, job in exports.items():
             t0 = time.perf_counter()
-            results["pte"][col] = job.perplexity()
+            pte = job.result()
+            results["pte"][col] = pte["perplexity"]
+            results["top1"].setdefault(f"{PTE_ROW}, .pte", {})[col] = pte["top1_agreement"]
+            results["kl"].setdefault(f"{PTE_ROW}, .pte", {})[col] = pte["mean_kl"]
             log.warning(".pte %s / %s: %.2f (%.0fs after the eager cells)", PTE_ROW, col, results["pte"][col],
                         time.perf_counter() - t0)
         print(f"| {PTE_ROW}, `.pte` (XNNPACK 8da4w) | " + " | ".join(cell(results["pte"].get(c)) for c in headers)
@@ -183,10 +214,29 @@ def main() -> None:
         if args.json_out:
             Path(args.json_out).write_text(json.dumps(results, indent=2))
 
+    print("\ntop-1 agreement with FP (the share of positions where both pick the same next token) / mean KL(FP || "
+          "quantized), nats per token:\n")
+    print("| recipe | " + " | ".join(headers) + " |\n|---|" + "---|" * len(cols))
+    for name in results["top1"]:
+        row = [f"{100 * results['top1'][name][c]:.1f}% / {results['kl'][name][c]:.3f}" if c in results["top1"][name]
+               else "-" for c in headers]
+        print(f"| {name} | " + " | ".join(row) + " |", flush=True)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(results, indent=2))
+
     if lm_eval_tasks:
         limit = f", at most {args.lm_eval_limit} examples per task" if args.lm_eval_limit else ""
         print(f"\nzero-shot accuracy (lm-eval{limit}):\n\n" + lm_eval_table(results["lm_eval"]))
     print(f"\nwhole run {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
+
+
+def learned_optimize_seconds(r_bin: str) -> float | None:
+    """What ``optimize`` spent on ``r_bin``, from the ``R.bin.loss.json`` it writes beside it."""
+    log_file = Path(r_bin).with_name(Path(r_bin).name + ".loss.json")
+    try:
+        return float(json.loads(log_file.read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def pte_columns(spec: str, cols: list[tuple[str, str, str, str]]) -> list[str]:

@@ -60,15 +60,20 @@ def window_logits(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def token_stats(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 1, progress: bool = True,
-                reference: torch.nn.Module | None = None) -> TokenStats:
+                reference: torch.nn.Module | None = None,
+                reference_logits: list[torch.Tensor] | None = None) -> TokenStats:
     """``TokenStats`` of an eager model over every position of every window ``[N, L]``, against
-    ``reference`` (an eager model run on the same windows) when given."""
+    ``reference`` (an eager model run on the same windows) or its precomputed ``reference_logits``
+    (one ``[L-1, V]`` tensor per window, from ``window_logits``) when given."""
     stats = TokenStats()
-    for batch in tqdm(windows.split(batch_size), desc="perplexity", disable=not progress):
+    for b, batch in enumerate(tqdm(windows.split(batch_size), desc="perplexity", disable=not progress)):
         logits = window_logits(model, batch)
         ref = window_logits(reference, batch) if reference is not None else None
         for i in range(batch.shape[0]):
-            stats.add(logits[i], batch[i, 1:], None if ref is None else ref[i])
+            r = ref[i] if ref is not None else None
+            if reference_logits is not None:
+                r = reference_logits[b * batch_size + i]
+            stats.add(logits[i], batch[i, 1:], r)
     return stats
 
 

@@ -37,6 +37,6 @@ def test_hadamard_cuts_w4a4kv4_perplexity_by_5x(smollm2, windows):
     fp = perplexity(smollm2.model, windows, progress=False)
     ppl = {}
     for rotation in ("none", "hadamard"):
-        qm = quantize(copy.deepcopy(smollm2), QuantRecipe(rotation=rotation, a_bits=4, kv_bits=4), progress=False)
+        qm = quantize(copy.deepcopy(smollm2), QuantRecipe(rotation=rotation, a_bits=4, kv_bits=4, w_method="rtn"), progress=False)
         ppl[rotation] = perplexity(qm.loaded.model, windows, progress=False)
     assert fp < ppl["hadamard"] < ppl["none"] / 5, (fp, ppl)

@@ -69,8 +69,9 @@ def test_optimize_lowers_the_calibration_loss(trained_tiny_dir, tmp_path):
     assert len(log["loss"]) == 20 and log["max_orthogonality_error"] < 1e-4
 
 
-def test_resume_continues_exactly(trained_tiny_dir, tmp_path):
-    cfg = OptimizeConfig(steps=6, checkpoint_every=3, **CFG)
+@pytest.mark.parametrize("extra", [{}, dict(w_bits=4, group_size=32, clip_every=2)], ids=["w16", "w4-clip-every-2"])
+def test_resume_continues_exactly(trained_tiny_dir, tmp_path, extra):
+    cfg = OptimizeConfig(steps=6, checkpoint_every=3, **CFG, **extra)
     loaded = load_model(str(trained_tiny_dir))
     samples = _samples(loaded)
     straight = optimize_rotations(loaded, samples, tmp_path / "a.bin", cfg, progress=False)
@@ -129,3 +130,22 @@ def test_training_through_4bit_weights(trained_tiny_dir):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert trainer.r1.grad is not None and trainer.r1.grad.abs().sum() > 0
     assert orthogonality_error(trainer.r1.detach()) < 1e-4
+
+
+def test_weight_scales_follow_the_clipping_search_refreshed_every_clip_every_steps(trained_tiny_dir):
+    """Training through W4 uses the deployed RTN+clip quantizer: each group's searched clip ratio,
+    re-searched every clip_every steps and applied to the current max-abs in between."""
+    from spinquant_et.quant.rtn import clip_scales
+
+    trainer = RotationTrainer(load_model(str(trained_tiny_dir)),
+                              OptimizeConfig(steps=4, w_bits=4, group_size=32, clip_every=2, **CFG))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=g) ** 3  # heavy tails: the search clips
+    assert torch.equal(trainer._weight_scales(0, "x.weight", w), clip_scales(w, 4, 32))
+    trainer._scales.clear()
+    trainer.step_done = 1  # no search: the same ratios on the new max-abs
+    torch.testing.assert_close(trainer._weight_scales(0, "x.weight", 2 * w), 2 * clip_scales(w, 4, 32))
+    trainer._scales.clear()
+    trainer.step_done = 2
+    other = torch.randn(8, 64, generator=g) ** 3
+    torch.testing.assert_close(trainer._weight_scales(0, "x.weight", other), clip_scales(other, 4, 32))

@@ -84,6 +84,7 @@ class OptimizeConfig:
     grad_clip: the global gradient-norm limit over all rotations (the reference trains under the HF
         Trainer, whose ``max_grad_norm`` is 1.0); 0 = off.
     bf16: autocast matmuls to bfloat16 (on CUDA, and on CPUs with native bf16 such as AVX512-BF16 or AMX).
+    clip_every: with ``w_bits < 16``, steps between searches of each weight group's clip ratio.
     """
 
     a_bits: int = 4
@@ -98,6 +99,7 @@ class OptimizeConfig:
     loss: str = "ce"
     grad_clip: float = 1.0
     bf16: bool = False
+    clip_every: int = 10
 
     def __post_init__(self):
         if self.loss not in LOSSES:
@@ -150,6 +152,8 @@ class RotationTrainer:
         self.losses: list[float] = []
         self._float = False  # True while the float teacher runs (loss "kl")
         self._scales: dict[tuple[int, str], torch.Tensor] = {}  # this step's weight scales, reused by the recompute
+        self._clip_ratios: dict[tuple[int, str], torch.Tensor] = {}  # per-group clip ratios, searched every clip_every
+        self._clip_step: dict[tuple[int, str], int] = {}
         model.get_submodule(self.arch.embed).register_forward_hook(lambda m, i, out: out @ self.r1)
         model.get_submodule(self.arch.lm_head).register_forward_pre_hook(lambda m, args: (args[0] @ self.r1.T,))
         layers = model.get_submodule(self.arch.layers)
@@ -161,15 +165,29 @@ class RotationTrainer:
         params = {}
         for key, t in rotated_layer_tensors(layer, self.arch, self.r1, self.r2[i], self.head_dim).items():
             if self.cfg.w_bits < NO_QUANT and key.endswith(".weight") and not self._float:
-                # RTN with the clipping search's scales, chosen on the detached weight; STE. The search
-                # runs once per step: the checkpointed backward recomputes with the same rotations.
-                scales = self._scales.get((i, key))
-                if scales is None:
-                    scales = clip_scales(t.detach().float(), self.cfg.w_bits, self.cfg.group_size)
-                    self._scales[(i, key)] = scales
-                t = fake_quant_weight_ste(t, self.cfg.w_bits, self.cfg.group_size, scales=scales)
+                t = fake_quant_weight_ste(t, self.cfg.w_bits, self.cfg.group_size, scales=self._weight_scales(i, key, t))
             params[key] = t
         return params
+
+    def _weight_scales(self, i: int, key: str, w: torch.Tensor) -> torch.Tensor:
+        """RTN+clip scales of the rotated weight ``w`` (the deployed quantizer), without its full cost.
+
+        The clipping search (80 ratios per group) on every weight every step would make a step 4x
+        slower on CPU. Rotations move slowly, so each group's best clip *ratio* is searched every
+        ``clip_every`` steps and applied to the current max-abs; the scales are computed once per
+        step (the checkpointed backward recomputes with the same rotations and reuses them)."""
+        scales = self._scales.get((i, key))
+        if scales is not None:
+            return scales
+        w = w.detach().float()
+        qmax = 2 ** (self.cfg.w_bits - 1) - 1
+        amax = w.reshape(w.shape[0], -1, self.cfg.group_size).abs().amax(-1).clamp_min(1e-8)
+        ratio = self._clip_ratios.get((i, key))
+        if ratio is None or self.step_done % self.cfg.clip_every == 0 and self._clip_step.get((i, key)) != self.step_done:
+            ratio = clip_scales(w, self.cfg.w_bits, self.cfg.group_size) * qmax / amax
+            self._clip_ratios[(i, key)], self._clip_step[(i, key)] = ratio, self.step_done
+        self._scales[(i, key)] = scales = ratio * amax / qmax
+        return scales
 
     def _autocast(self):
         device_type = "cuda" if self.device.startswith("cuda") else "cpu"
@@ -244,7 +262,9 @@ class RotationTrainer:
         return {"step": self.step_done, "losses": torch.tensor(self.losses, dtype=torch.float64),
                 "r1": self.r1.detach().cpu(), "r2": [r.detach().cpu() for r in self.r2],
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "config": asdict(self.cfg)}
+                "config": asdict(self.cfg),
+                "clip_ratios": {f"{i}|{key}": r for (i, key), r in self._clip_ratios.items()},
+                "clip_steps": {f"{i}|{key}": n for (i, key), n in self._clip_step.items()}}
 
     def load_state(self, state: dict) -> None:
         if state["config"] != asdict(self.cfg):
@@ -259,6 +279,10 @@ class RotationTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step_done = int(state["step"])
         self.losses = state["losses"].tolist()
+        for name, ratio in state.get("clip_ratios", {}).items():  # so a resumed run clips as the straight one
+            i, key = name.split("|", 1)
+            self._clip_ratios[(int(i), key)] = ratio.to(self.device)
+            self._clip_step[(int(i), key)] = int(state["clip_steps"][name])
 
 
 def checkpoint_path(out: Path) -> Path:
