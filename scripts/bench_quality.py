@@ -14,6 +14,14 @@ optimize``) + RTN / GPTQ. Int8 per-channel embeddings and lm_head everywhere. GP
 ``--calib-samples`` windows of the built-in calibration text (never the evaluation text).
 ``sweep``: rows W8A8 (per channel), W4A16, W4A8, W4A4KV4 (groups of 32, plain RTN) and W4A4KV4
 with the clipping search; columns no rotation and random Hadamard R1-R4.
+``levers``: the details that decide A4/KV4 quality, one per row against the W4A4KV4 baseline (activation
+clip ratio, K/V clip ratios, o_proj's input per head, float embeddings/lm_head), Hadamard + RTN
+(and learned + RTN with ``--learned``); no .pte row.
+
+Every eager cell is also compared with FP on the same tokens (FP logits computed once): top-1
+agreement (the share of positions where both pick the same next token) and mean KL(FP || cell), as
+llama.cpp's ``llama-perplexity --kl-divergence`` reports them; the .pte row gets the same from
+``spinquant-et eval --reference``.
 
 ``.pte`` row (printed last): the W4A8 cells of ``--pte-columns`` are also lowered to an XNNPACK
 ``.pte`` (8-bit dynamic activations x int4 weights, the same integers; in a child process while the
@@ -143,7 +151,7 @@ def main() -> None:
 
     cols = columns(args.preset, args.learned)
     headers = [c[0] for c in cols]
-    pte_cols = pte_columns(args.pte_columns, cols) if any(n == PTE_ROW for n, _ in PRESETS[args.preset]) else []
+    pte_cols = pte_columns(args.pte_columns, cols) if args.preset != "levers" else []
     lm_eval_tasks = None
     if args.lm_eval:  # before minutes of quantization: the tasks' datasets must be reachable
         try:
@@ -175,7 +183,7 @@ def main() -> None:
     def cell(ppl: float | None) -> str:
         if ppl is None:
             return "-"
-        return f"{ppl:.2f} ({ppl / fp:.2f}x)" if args.preset == "spinquant" else f"{ppl:.2f}"
+        return f"{ppl:.2f} ({ppl / fp:.3f}x)" if args.preset != "sweep" else f"{ppl:.2f}"
 
     exports: dict[str, BackgroundPte] = {}
     for name, kw in PRESETS[args.preset]:

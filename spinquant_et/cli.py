@@ -352,7 +352,9 @@ def cmd_optimize(args) -> int:
             dist.destroy_process_group()
     if rank == 0:
         first, last = trainer.losses[0], trainer.losses[-1]
-        print(f"wrote {out} after {trainer.step_done} steps (loss {first:.4f} -> {last:.4f}); "
+        tokens = trainer.step_done * args.batch_size * args.seq_len
+        print(f"wrote {out} after {trainer.step_done} steps (loss {first:.4f} -> {last:.4f}); spent "
+              f"{trainer.seconds / 60:.1f} min on {args.device} ({tokens} tokens), peak RSS {trainer.peak_rss_mib:.0f} MiB; "
               f"use it with: quantize --rotation {out}")
     return 0
 

@@ -32,16 +32,33 @@ def test_bench_quality_prints_eager_and_pte_rows(trained_tiny_dir, tmp_path):
     r = _run([str(SCRIPTS / "bench_quality.py"), "--model", str(trained_tiny_dir), "--windows", "2", "--seq-len", "48",
               "--calib-samples", "4", "--pte-columns", "hadamard-gptq", "--json-out", "q.json"], tmp_path)
     header = _cells(r.stdout, "recipe")
-    assert header == ["no rotation, RTN", "Hadamard, RTN", "Hadamard, GPTQ"]
+    assert header == ["no rotation, RTN", "no rotation, GPTQ", "Hadamard, RTN", "Hadamard, GPTQ"]
     fp = float(_cells(r.stdout, "FP (fp32)")[0])
     eager = [float(c.split()[0]) for c in _cells(r.stdout, "W4A8 g32")]
     pte = _cells(r.stdout, "W4A8 g32, `.pte` (XNNPACK 8da4w)")
-    assert pte[0] == "-" and pte[1] == "-"
-    pte_gptq = float(pte[2].split()[0])
+    assert pte[:3] == ["-", "-", "-"]
+    pte_gptq = float(pte[3].split()[0])
     assert all(e > fp * 0.99 for e in eager)
-    assert abs(pte_gptq / eager[2] - 1) < 0.03, (pte_gptq, eager[2])
-    assert len(_cells(r.stdout, "W4A4KV4 g32")) == 3
+    assert abs(pte_gptq / eager[3] - 1) < 0.03, (pte_gptq, eager[3])
+    assert len(_cells(r.stdout, "W4A4KV4 g32")) == 4
+    # top-1 agreement with FP and KL, per eager cell and for the .pte: "NN.N% / 0.ddd"
+    agreement = r.stdout.split("top-1 agreement with FP")[1]
+    for row in ("W4A8 g32", "W4A4KV4 g32", "W4A8 g32, .pte"):
+        cells = _cells(agreement, row)
+        top1 = [float(c.split("%")[0]) for c in cells if c != "-"]
+        assert top1 and all(0 < t <= 100 for t in top1), cells
     assert (tmp_path / "q.json").is_file() and re.search(r"whole run [\d.]+ min", r.stdout)
+
+
+def test_bench_quality_levers_preset_has_a_row_per_lever(trained_tiny_dir, tmp_path):
+    r = _run([str(SCRIPTS / "bench_quality.py"), "--model", str(trained_tiny_dir), "--windows", "2", "--seq-len", "48",
+              "--preset", "levers"], tmp_path)
+    assert _cells(r.stdout, "recipe") == ["Hadamard, RTN"]
+    baseline = float(_cells(r.stdout, "W4A4KV4 g32")[0].split()[0])
+    clipped = float(_cells(r.stdout, "+ activation clip 0.9")[0].split()[0])
+    assert clipped != baseline  # the lever reaches the model
+    for row in ("+ K/V clip 0.95", "+ o_proj input per head", "+ float embeddings and lm_head", "W4A8 g32"):
+        assert float(_cells(r.stdout, row)[0].split()[0]) > 1
 
 
 def test_bench_quality_rejects_an_unknown_pte_column(trained_tiny_dir, tmp_path):

@@ -150,6 +150,7 @@ class RotationTrainer:
         self.scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(self.optimizer, T_max=cfg.steps)
         self.step_done = 0
         self.losses: list[float] = []
+        self.seconds, self.peak_rss_mib = 0.0, 0.0  # what the last optimize_rotations run spent
         self._float = False  # True while the float teacher runs (loss "kl")
         self._scales: dict[tuple[int, str], torch.Tensor] = {}  # this step's weight scales, reused by the recompute
         self._clip_ratios: dict[tuple[int, str], torch.Tensor] = {}  # per-group clip ratios, searched every clip_every
@@ -324,12 +325,13 @@ def optimize_rotations(loaded: LoadedModel, samples: torch.Tensor, out: str | Pa
     worst = max(orthogonality_error(r) for r in (r1, *r2))
     if not math.isfinite(worst) or worst > 1e-4:
         raise SpinQuantError(f"the learned rotations drifted from orthogonal (max |R^T R - I| = {worst:.1e})")
+    trainer.seconds = time.perf_counter() - t0
     if rank == 0:
         save_rotations(out, r1, r2)
-        seconds = time.perf_counter() - t0
+        seconds = trainer.seconds
         from ..sysinfo import peak_rss_mib
 
-        peak_mib = peak_rss_mib()
+        trainer.peak_rss_mib = peak_mib = peak_rss_mib()
         steps_run = max(1, cfg.steps - start_step)
         out.with_name(out.name + ".loss.json").write_text(json.dumps(
             {"loss": trainer.losses, "config": asdict(cfg), "seconds": seconds, "seconds_per_step": seconds / steps_run,
