@@ -37,8 +37,10 @@ def converted(tmp_path_factory, tiny_tokenizer):
     for model_type in ("llama", "qwen2", "qwen3"):
         hf = _hf_dir(root, tiny_tokenizer, model_type, intermediate_size=128)
         ckpt, meta = root / f"q-{model_type}", root / f"meta-{model_type}"
+        # RTN: these tests compare two programs on the same integers, whatever chose them; on a random
+        # model GPTQ's integers left one greedy token of qwen3 on a near-tie (logits within 3% still)
         assert main(["quantize", "--model", str(hf), "--rotation", "hadamard", "--group-size", str(GROUP),
-                     "--out", str(ckpt)]) == 0
+                     "--w-method", "rtn", "--out", str(ckpt)]) == 0
         assert main(["convert", str(ckpt), "--out", str(meta)]) == 0
         out[model_type] = ckpt, meta
     return out
