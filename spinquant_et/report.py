@@ -125,9 +125,11 @@ def plot_loss(loss_json: Path, out: Path) -> Path:
     smooth = [sum(loss[max(0, i - k + 1) : i + 1]) / len(loss[max(0, i - k + 1) : i + 1]) for i in range(len(loss))]
     ax.plot(range(1, len(loss) + 1), smooth, label=f"mean of {k}")
     cfg = data.get("config", {})
-    ax.set_title(f"optimize: W{cfg.get('w_bits')}A{cfg.get('a_bits')}KV{cfg.get('kv_bits')}, lr {cfg.get('lr')}")
+    loss_name = {"kl": "KL to the float model (nats/token)"}.get(cfg.get("loss", "ce"), "cross-entropy")
+    ax.set_title(f"optimize: W{cfg.get('w_bits')}A{cfg.get('a_bits')}KV{cfg.get('kv_bits')}, lr {cfg.get('lr')}, "
+                 f"batch {cfg.get('batch_size')}")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy")
+    ax.set_ylabel(loss_name)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
