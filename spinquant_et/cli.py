@@ -137,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("optimize", help="learn R1/R2 with Cayley SGD (SpinQuant); write an R.bin",
                        description="Learn R1 and one R2 per layer, starting from random Hadamards, by Cayley SGD on "
-                       "the next-token loss of the fake-quantized model (frozen weights, straight-through "
-                       "estimators, cosine schedule). Writes OUT (R.bin, reference key names) and OUT.loss.json; "
+                       "the loss of the fake-quantized model (by default W4A4KV4 and the KL divergence from the "
+                       "float model's predictions; frozen weights, straight-through estimators, cosine schedule). "
+                       "Writes OUT (R.bin, reference key names) and OUT.loss.json; "
                        "checkpoints to OUT.ckpt. Under torchrun the batch is split over processes (gloo or nccl). "
                        "Then: quantize --rotation OUT.")
     o.add_argument("--model", required=True, help=MODEL_HELP)

@@ -5,9 +5,9 @@ layer are the only parameters. Each step rebuilds the rotated decoder weights fr
 (``rotated_layer_tensors``, differentiable), runs the fake-quantized model (weights RTN with
 clipping when ``w_bits < 16``, per-token activations on every linear input but lm_head, K after
 R3 and V per token and head, all with straight-through estimators, R3/R4 online as at inference)
-and minimizes next-token cross-entropy. Embeddings and lm_head are not re-rotated as matrices:
-``E[ids] R1`` and ``lm_head(h R1^T)`` compute the same thing on the few rows a batch touches (the
-final RMSNorm is fused, so it commutes with R1).
+and minimizes the KL divergence from the float model (or next-token cross-entropy). Embeddings
+and lm_head are not re-rotated as matrices: ``E[ids] R1`` and ``lm_head(h R1^T)`` compute the
+same thing on the few rows a batch touches (the final RMSNorm is fused, so it commutes with R1).
 
 Cayley SGD keeps each matrix exactly orthogonal: with the Euclidean gradient G of X, the skew
 matrix ``W = (G X^T - X G^T) / 2`` gives the curve ``Y(a) = (I + a/2 W)^-1 (I - a/2 W) X`` whose
