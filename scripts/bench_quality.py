@@ -47,7 +47,15 @@ from pathlib import Path
 import torch
 
 from spinquant_et.data import load_text, token_windows, tokenize
-from spinquant_et.eval import LMEvalUnavailable, lm_eval_scores, lm_eval_table, load_lm_eval_tasks, token_stats, window_logits
+from spinquant_et.eval import (
+    LMEvalUnavailable,
+    TokenStats,
+    lm_eval_scores,
+    lm_eval_table,
+    load_lm_eval_tasks,
+    token_stats,
+    window_logits,
+)
 from spinquant_et.models import load_model
 from spinquant_et.quantize import quantize
 from spinquant_et.recipe import QuantRecipe
@@ -166,7 +174,10 @@ def main() -> None:
           "tokens\n", flush=True)
     with torch.no_grad():  # the float model's logits, once: every cell's KL and top-1 agreement are against them
         fp_logits = [window_logits(base.model, w[None])[0] for w in windows]
-    fp = token_stats(base.model, windows, progress=False, reference_logits=fp_logits).perplexity
+    fp_stats = TokenStats()
+    for logits, window in zip(fp_logits, windows, strict=True):
+        fp_stats.add(logits, window[1:])
+    fp = fp_stats.perplexity
     results = {"title": f"{args.model}: perplexity, {windows.shape[0]} x {args.seq_len} held-out tokens", "fp": fp,
                "rows": [n for n, _ in PRESETS[args.preset]], "columns": headers, "ppl": {}, "pte": {}, "lm_eval": {},
                "top1": {}, "kl": {}}
@@ -229,8 +240,8 @@ def main() -> None:
         row = [f"{100 * results['top1'][name][c]:.1f}% / {results['kl'][name][c]:.3f}" if c in results["top1"][name]
                else "-" for c in headers]
         print(f"| {name} | " + " | ".join(row) + " |", flush=True)
-        if args.json_out:
-            Path(args.json_out).write_text(json.dumps(results, indent=2))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(results, indent=2))
 
     if lm_eval_tasks:
         limit = f", at most {args.lm_eval_limit} examples per task" if args.lm_eval_limit else ""

@@ -67,13 +67,14 @@ def token_stats(model: torch.nn.Module, windows: torch.Tensor, batch_size: int =
     (one ``[L-1, V]`` tensor per window, from ``window_logits``) when given."""
     stats = TokenStats()
     for b, batch in enumerate(tqdm(windows.split(batch_size), desc="perplexity", disable=not progress)):
-        logits = window_logits(model, batch)
-        ref = window_logits(reference, batch) if reference is not None else None
-        for i in range(batch.shape[0]):
-            r = ref[i] if ref is not None else None
-            if reference_logits is not None:
-                r = reference_logits[b * batch_size + i]
-            stats.add(logits[i], batch[i, 1:], r)
+        if reference is not None:
+            refs = window_logits(reference, batch)
+        elif reference_logits is not None:
+            refs = reference_logits[b * batch_size : b * batch_size + len(batch)]
+        else:
+            refs = [None] * len(batch)
+        for logits, window, ref in zip(window_logits(model, batch), batch, refs, strict=True):
+            stats.add(logits, window[1:], ref)
     return stats
 
 

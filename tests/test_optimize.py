@@ -143,12 +143,13 @@ def test_weight_scales_follow_the_clipping_search_refreshed_every_clip_every_ste
                               OptimizeConfig(steps=4, w_bits=4, group_size=32, clip_every=2, **CFG))
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 64, generator=g) ** 3  # heavy tails: the search clips
+    trainer._new_rotations()
     assert torch.equal(trainer._weight_scales(0, "x.weight", w), clip_scales(w, 4, 32))
-    trainer._scales.clear()
-    trainer.step_done = 1  # no search: the same ratios on the new max-abs
+    trainer.step_done = 1
+    trainer._new_rotations()  # no search: the same ratios on the new max-abs
     torch.testing.assert_close(trainer._weight_scales(0, "x.weight", 2 * w), 2 * clip_scales(w, 4, 32))
-    trainer._scales.clear()
     trainer.step_done = 2
+    trainer._new_rotations()
     other = torch.randn(8, 64, generator=g) ** 3
     torch.testing.assert_close(trainer._weight_scales(0, "x.weight", other), clip_scales(other, 4, 32))
 

@@ -154,7 +154,7 @@ class RotationTrainer:
         self._float = False  # True while the float teacher runs (loss "kl")
         self._scales: dict[tuple[int, str], torch.Tensor] = {}  # this step's weight scales, reused by the recompute
         self._clip_ratios: dict[tuple[int, str], torch.Tensor] = {}  # per-group clip ratios, searched every clip_every
-        self._clip_step: dict[tuple[int, str], int] = {}
+        self._clip_searched_at = -1  # the step whose search gave _clip_ratios
         model.get_submodule(self.arch.embed).register_forward_hook(lambda m, i, out: out @ self.r1)
         model.get_submodule(self.arch.lm_head).register_forward_pre_hook(lambda m, args: (args[0] @ self.r1.T,))
         layers = model.get_submodule(self.arch.layers)
@@ -184,11 +184,18 @@ class RotationTrainer:
         qmax = 2 ** (self.cfg.w_bits - 1) - 1
         amax = w.reshape(w.shape[0], -1, self.cfg.group_size).abs().amax(-1).clamp_min(1e-8)
         ratio = self._clip_ratios.get((i, key))
-        if ratio is None or self.step_done % self.cfg.clip_every == 0 and self._clip_step.get((i, key)) != self.step_done:
-            ratio = clip_scales(w, self.cfg.w_bits, self.cfg.group_size) * qmax / amax
-            self._clip_ratios[(i, key)], self._clip_step[(i, key)] = ratio, self.step_done
+        if ratio is None:
+            ratio = self._clip_ratios[(i, key)] = clip_scales(w, self.cfg.w_bits, self.cfg.group_size) * qmax / amax
         self._scales[(i, key)] = scales = ratio * amax / qmax
         return scales
+
+    def _new_rotations(self) -> None:
+        """Before a forward under rotations that may have changed: new weight scales, and at every
+        ``clip_every``-th step a new clip-ratio search (done as the forward reaches each weight)."""
+        self._scales.clear()
+        if self.step_done % self.cfg.clip_every == 0 and self._clip_searched_at != self.step_done:
+            self._clip_ratios.clear()
+            self._clip_searched_at = self.step_done
 
     def _autocast(self):
         device_type = "cuda" if self.device.startswith("cuda") else "cpu"
@@ -217,7 +224,7 @@ class RotationTrainer:
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         """The training loss (``cfg.loss``) of the fake-quant model under the current rotations."""
         ids = ids.to(self.device)
-        self._scales.clear()  # new rotations since the last call: new weight scales
+        self._new_rotations()
         if self.cfg.loss == "kl":
             teacher = torch.log_softmax(self._teacher_logits(ids)[:, :-1], -1)
             with self._autocast():
@@ -265,7 +272,7 @@ class RotationTrainer:
                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "config": asdict(self.cfg),
                 "clip_ratios": {f"{i}|{key}": r for (i, key), r in self._clip_ratios.items()},
-                "clip_steps": {f"{i}|{key}": n for (i, key), n in self._clip_step.items()}}
+                "clip_searched_at": self._clip_searched_at}
 
     def load_state(self, state: dict) -> None:
         if state["config"] != asdict(self.cfg):
@@ -283,7 +290,7 @@ class RotationTrainer:
         for name, ratio in state.get("clip_ratios", {}).items():  # so a resumed run clips as the straight one
             i, key = name.split("|", 1)
             self._clip_ratios[(int(i), key)] = ratio.to(self.device)
-            self._clip_step[(int(i), key)] = int(state["clip_steps"][name])
+        self._clip_searched_at = int(state.get("clip_searched_at", -1))
 
 
 def checkpoint_path(out: Path) -> Path:
@@ -325,10 +332,9 @@ def optimize_rotations(loaded: LoadedModel, samples: torch.Tensor, out: str | Pa
     worst = max(orthogonality_error(r) for r in (r1, *r2))
     if not math.isfinite(worst) or worst > 1e-4:
         raise SpinQuantError(f"the learned rotations drifted from orthogonal (max |R^T R - I| = {worst:.1e})")
-    trainer.seconds = time.perf_counter() - t0
+    trainer.seconds = seconds = time.perf_counter() - t0
     if rank == 0:
         save_rotations(out, r1, r2)
-        seconds = trainer.seconds
         from ..sysinfo import peak_rss_mib
 
         trainer.peak_rss_mib = peak_mib = peak_rss_mib()
