@@ -101,29 +101,60 @@ def _run_layer(layer, args, kwargs) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _hessian(layer, name: str, inputs) -> torch.Tensor:
-    """The GPTQ Hessian of the linear ``name`` of ``layer`` over the calibration ``inputs``; it also
-    serves the linears that read the same input (k/v beside q, up beside gate). Each pass stops as
-    soon as ``name`` has its input (the rest of the layer is not needed)."""
-    from .quant.gptq import HessianAccumulator
-
-    first = layer.get_submodule(name)
-    acc = HessianAccumulator(first.in_features)
+def _linear_inputs(layer, name: str, inputs):
+    """Yield, window by window, the ``[tokens, in]`` input that the linear ``name`` of ``layer``
+    multiplies; each pass stops as soon as ``name`` has its input (the rest of the layer is not needed)."""
+    seen = []
 
     def collect(module, inp, out):
-        acc.add(module.effective_input(inp[0]))
+        seen.append(module.effective_input(inp[0]).detach().reshape(-1, module.in_features).float())
         raise _Stop
 
-    hook = first.register_forward_hook(collect)
+    hook = layer.get_submodule(name).register_forward_hook(collect)
     try:
         for args, kwargs in inputs:
             try:
                 _run_layer(layer, args, kwargs)
             except _Stop:
                 pass
+            yield seen.pop()
     finally:
         hook.remove()
-    return acc.h
+
+
+def _hessian(layer, name: str, inputs, float_layer=None, float_inputs=None):
+    """``(H, C)``: the GPTQ Hessian of the linear ``name`` of ``layer`` over the calibration ``inputs``
+    (it also serves the linears that read the same input: k/v beside q, up beside gate) and, given
+    ``float_layer`` (the layer before quantization, quantizers off) and its ``float_inputs``, the cross
+    term ``2/n sum x_float x^T`` over the same tokens (else None)."""
+    from .quant.gptq import HessianAccumulator
+
+    acc = HessianAccumulator(layer.get_submodule(name).in_features)
+    if float_layer is None:
+        for x in _linear_inputs(layer, name, inputs):
+            acc.add(x)
+        return acc.h, None
+    cross = torch.zeros_like(acc.h)
+    for x, x_float in zip(_linear_inputs(layer, name, inputs), _linear_inputs(float_layer, name, float_inputs),
+                          strict=True):
+        acc.add(x)
+        cross += (x_float.T @ x).double()
+    return acc.h, cross * (2 / acc.n)
+
+
+def _float_copy(layer):
+    """A copy of ``layer`` with activation/KV fake-quant off (the float model's layer, same rotations)."""
+    import copy
+
+    from .online import QuantLinear
+
+    twin = copy.deepcopy(layer)
+    for m in twin.modules():
+        if isinstance(m, QuantLinear):
+            m.a_bits = NO_QUANT
+        if hasattr(m, "k_quant"):
+            m.k_quant = m.v_quant = None
+    return twin
 
 
 @torch.no_grad()
@@ -132,22 +163,27 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
     """GPTQ every decoder linear, layer by layer and, inside a layer, in dependency order (q/k/v, o,
     gate/up, down): each Hessian comes from inputs computed with everything before already quantized,
     activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run)."""
-    from .quant.gptq import gptq_quantize
+    from .quant.gptq import float_target, gptq_quantize
 
     arch = loaded.arch
     layers = loaded.model.get_submodule(arch.layers)
     inputs = _layer_inputs(loaded, calibration)
+    float_inputs = list(inputs) if recipe.gptq_target == "float" else None
     qtensors: dict[str, torch.Tensor] = {}
     steps = ((arch.q, arch.k, arch.v), (arch.o,), (arch.gate, arch.up), (arch.down,))  # each: one shared input
     for i, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
+        float_layer = _float_copy(layer) if float_inputs is not None else None
         for names in steps:
-            h = _hessian(layer, names[0], inputs)
+            h, cross = _hessian(layer, names[0], inputs, float_layer, float_inputs)
             for n in names:
                 m = layer.get_submodule(n)
-                q, scales = gptq_quantize(m.weight, h, recipe.w_bits, recipe.group_size, clip=recipe.w_clip,
+                w = m.weight if cross is None else float_target(m.weight, h, cross)
+                q, scales = gptq_quantize(w, h, recipe.w_bits, recipe.group_size, clip=recipe.w_clip,
                                           act_order=recipe.act_order)
                 _store(m, f"{arch.layers}.{i}.{n}", q, scales, qtensors)
         inputs = [((_run_layer(layer, args, kwargs), *args[1:]), kwargs) for args, kwargs in inputs]
+        if float_inputs is not None:
+            float_inputs = [((_run_layer(float_layer, args, kwargs), *args[1:]), kwargs) for args, kwargs in float_inputs]
     return qtensors
 
 

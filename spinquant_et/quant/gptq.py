@@ -81,6 +81,22 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     return q_out[:, position].to(torch.int8), scales
 
 
+@torch.no_grad()
+def float_target(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tensor, damp: float = DAMP) -> torch.Tensor:
+    """The weight GPTQ should aim at so that ``sum ||W x_float - Q x||^2`` is minimized.
+
+    GPTQ on ``W`` with the Hessian of the quantized inputs ``x`` matches this layer's own float output
+    on *those* inputs; the error already in ``x`` (from earlier layers and activation quantization)
+    is left for later. With ``C = sum x_float x^T`` and ``H = sum x x^T``, ``W C H^-1`` is the
+    least-squares map from ``x`` to the float outputs, and the error splits into a constant plus
+    ``(W C H^-1 - Q) H (...)^T``: GPTQ on it minimizes the asymmetric objective exactly (GPTAQ, Li et al. 2025).
+    """
+    # Damped toward W rather than toward 0 (a ridge on W' - W): W' = W (C + lambda I) (H + lambda I)^-1.
+    h, c = hessian.double().clone(), cross.double().clone()
+    ridge = damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
+    return torch.linalg.solve(h + ridge, (weight.double() @ (c + ridge)).T).T.to(weight.dtype)  # H symmetric
+
+
 class HessianAccumulator:
     """Running ``2/n sum x x^T`` of a linear's inputs ``[..., in]`` (the GPTQ proxy Hessian)."""
 
