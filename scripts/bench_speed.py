@@ -4,8 +4,9 @@
     python scripts/bench_speed.py --model smollm2-135m --out-dir bench_out [--reuse]
 
 Rows: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default;
-also through the C++ runner when runner/build/spinquant-run exists), the same with ``--ops
-et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp on the model's GGUF when
+also through the C++ runner when runner/build/spinquant-run exists, and decoding through
+``forward`` as ExecuTorch's stock runners do instead of the ``decode_N`` methods: same file), the
+same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp on the model's GGUF when
 ``llama-cpp-python`` is installed and the model is a .gguf (the demo model is). Every row is
 measured in its own process, so its peak RSS is its own: Python rows are ``spinquant-et bench``
 (our runtime; RSS includes Python and torch), the C++ row is ``spinquant-run``, the llama.cpp row
@@ -30,14 +31,16 @@ from typing import Callable
 
 THREADS = 2
 VARIANTS = {  # name: `spinquant-et export` flags
-    "fp32": ["--rotation", "none", "--w-bits", "16", "--a-bits", "16", "--embedding-bits", "16", "--lm-head-bits", "16"],
+    "fp32": ["--rotation", "none", "--w-bits", "16", "--a-bits", "16", "--embedding-bits", "16", "--lm-head-bits", "16",
+             "--decode-windows", "none"],
     "8da4w": ["--rotation", "none"],
     "8da4w + R1-R4": ["--rotation", "hadamard"],
     "8da4w + R1-R4, et-llama ops": ["--rotation", "hadamard", "--ops", "et-llama"],
 }
 BASELINE = "8da4w"
 CPP_RUNNER = Path(__file__).parents[1] / "runner" / "build" / "spinquant-run"
-CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner (portable ops only)
+CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner and through forward only (portable ops)
+FORWARD_ONLY = f"{CPP_OF}, forward only"
 LLAMA_CPP = "llama.cpp (GGUF as shipped)"
 
 
@@ -54,10 +57,11 @@ def last_json(cmd: list[str]) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def bench_python(pte: Path, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
+def bench_python(pte: Path, prompt_tokens: int, new_tokens: int, repeats: int, forward_only: bool = False) -> dict:
     """``spinquant-et bench`` in a fresh process: medians and that process's peak RSS."""
     r = last_json([sys.executable, "-m", "spinquant_et.cli", "bench", str(pte), "--prompt-tokens", str(prompt_tokens),
-                   "--max-new-tokens", str(new_tokens), "--repeats", str(repeats), "--json"])
+                   "--max-new-tokens", str(new_tokens), "--repeats", str(repeats), "--json"]
+                  + (["--forward-only"] if forward_only else []))
     return dict(prefill=r["prefill_tok_s"]["median"], decode=r["decode_tok_s"]["median"],
                 ttft_ms=r["ttft_ms"]["median"], rss_mib=r["peak_rss_mib"])
 
@@ -239,6 +243,9 @@ def main() -> None:
         size = pte.stat().st_size / 2**20
         measure[name] = (size, export_s.get(name), lambda pte=pte: bench_python(pte, len(ids), args.new_tokens,
                                                                                args.repeats))
+        if name == CPP_OF:
+            measure[FORWARD_ONLY] = (size, None, lambda pte=pte: bench_python(pte, len(ids), args.new_tokens, args.repeats,
+                                                                             forward_only=True))
         if name == CPP_OF and CPP_RUNNER.is_file():
             measure[f"{name}, C++ runner"] = (size, None, lambda pte=pte: bench_cpp(pte, tokenizer.decode(ids),
                                                                                       args.new_tokens, args.repeats))

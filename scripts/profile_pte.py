@@ -3,7 +3,8 @@
     python scripts/profile_pte.py bench_out/8da4w_R1_R4-512.pte [--prompt-tokens 128 --steps 64]
 
 Runs one prompt, then ``--steps`` single-token decode calls through the KV cache (2 XNNPACK threads,
-as the runners use), and prints one markdown table: each kind of operator (XNNPACK's own operator
+as the runners use; through the program's ``decode_N`` methods as our runners do, or through
+``forward`` with ``--forward-only``), and prints one markdown table: each kind of operator (XNNPACK's own operator
 names inside delegate calls; ``native_call_*`` and custom ops outside them), its calls per token,
 its milliseconds per token and its share of ``Method::execute``. "delegate call overhead" is the
 delegate calls' time not spent in any XNNPACK operator (input/output set-up, dynamic-shape
@@ -26,7 +27,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: see spinquant_et.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, list[float]], float]:
+def profile(pte: Path, prompt_tokens: int, steps: int, forward_only: bool = False) -> tuple[dict[str, list[float]], float]:
     """``{operator kind: [calls per token, ms per token]}`` over the decode steps, and ms per token."""
     import torch
     from executorch.devtools import Inspector
@@ -35,6 +36,8 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, list[f
     from spinquant_et.runtime import PteModel
 
     model = PteModel(pte, etdump=True)
+    if forward_only:
+        model.decode_windows = []
     if prompt_tokens + steps >= model.max_seq_len:
         raise SpinQuantError(f"--prompt-tokens + --steps must stay below the program's max_seq_len {model.max_seq_len}")
     generator = torch.Generator().manual_seed(0)
@@ -47,11 +50,18 @@ def profile(pte: Path, prompt_tokens: int, steps: int) -> tuple[dict[str, list[f
         model.program.write_etdump_result_to_file(etdump, os.path.join(tmp, "debug.bin"))
         inspector = Inspector(etdump_path=etdump)
     ms, calls, inside = collections.Counter(), collections.Counter(), 0.0
-    for block in inspector.event_blocks:
+    prompt_seen = False
+    for block in inspector.event_blocks:  # one per method, in the order of their first calls
+        if not any(event.name == "DELEGATE_CALL" for event in block.events):
+            continue  # a metadata method (get_max_seq_len, ...)
+        # The first model method to run is forward, whose first call is the prompt's; every other
+        # call is a decode step, through forward or through the decode_N methods.
+        skip = 0 if prompt_seen else 1
+        prompt_seen = True
         for event in block.events:
             if event.perf_data is None:
                 continue
-            decode = event.perf_data.raw[1:]  # raw[0] is the prompt's call (or a metadata method's only one)
+            decode = event.perf_data.raw[skip:]
             kind = re.sub(r" #\d+$", "", event.name)  # XNNPACK numbers operators of one kind per partition
             ms[kind] += sum(decode) / steps
             calls[kind] += len(decode) / steps
@@ -82,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pte", type=Path)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length before the decode steps (default 128)")
     p.add_argument("--steps", type=int, default=64, help="profiled decode steps (default 64)")
+    p.add_argument("--forward-only", action="store_true", help="decode through forward, not the decode_N methods")
     args = p.parse_args(argv)
     try:
-        rows, total = profile(args.pte, args.prompt_tokens, args.steps)
+        rows, total = profile(args.pte, args.prompt_tokens, args.steps, args.forward_only)
     except SpinQuantError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -130,8 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--model", required=True, help=MODEL_HELP)
     _add_recipe_flags(x)
     x.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
-                   help="KV cache length = the longest prompt + generation. Every decode step attends over "
-                   f"the whole cache, so shorter is faster (default {DEFAULT_MAX_SEQ_LEN})")
+                   help="KV cache length = the longest prompt + generation; the program's memory follows it, and "
+                   f"with --decode-windows its decode speed does not (default {DEFAULT_MAX_SEQ_LEN})")
+    x.add_argument("--decode-windows", default="auto", metavar="auto|none|N,N,...",
+                   help="one-token decode methods (decode_N) that attend to the cache's first N positions, sharing "
+                   "the KV cache and the weights with forward: our runners decode each token with the smallest "
+                   "one that holds the context, so decode costs what the filled context costs. auto: 128, 256, "
+                   "... up to --max-seq-len (default); none: forward only (a smaller program, lowered faster; "
+                   "decode then attends over the whole cache). Each window lowers the model once more")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
                    "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "
@@ -222,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt-tokens", type=int, default=0, help="instead of --prompt: this many tokens of built-in text")
     b.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     b.add_argument("--repeats", type=int, default=5, help="default 5")
+    b.add_argument("--forward-only", action="store_true",
+                   help="decode through forward (attention over the whole cache), as ExecuTorch's stock runners "
+                   "do, instead of the program's decode_N methods")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -300,10 +309,29 @@ def cmd_eval_pte(args) -> int:
     return 0
 
 
+def _decode_windows(spec: str, max_seq_len: int, ops: str) -> list[int]:
+    from .export.lower import decode_windows
+
+    if spec == "auto":
+        return decode_windows(max_seq_len, ops)
+    if spec == "none":
+        return []
+    if ops != "portable":
+        raise SpinQuantError("--decode-windows needs --ops portable (et-llama attention already stops at the context)")
+    try:
+        windows = sorted({int(w) for w in spec.split(",")})
+    except ValueError:
+        raise SpinQuantError(f"--decode-windows takes auto, none or comma-separated integers, got {spec!r}") from None
+    if any(not 1 <= w <= max_seq_len for w in windows):
+        raise SpinQuantError(f"--decode-windows must be in 1..{max_seq_len} (--max-seq-len), got {spec}")
+    return windows
+
+
 def cmd_export(args) -> int:
     from .export.pipeline import export
 
-    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops, args.calib_text)
+    result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops, args.calib_text,
+                    _decode_windows(args.decode_windows, args.max_seq_len, args.ops))
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")
@@ -436,6 +464,8 @@ def cmd_bench(args) -> int:
     from .sysinfo import peak_rss_mib
 
     model = PteModel(args.pte)
+    if args.forward_only:
+        model.decode_windows = []
     tokenizer = _tokenizer_for(args.pte, args.tokenizer)
     if args.prompt_tokens:
         from .data import builtin_text, tokenize
@@ -450,7 +480,8 @@ def cmd_bench(args) -> int:
     summary = {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in rows.items()}
     rss = peak_rss_mib()  # the whole process: Python, torch and the program
     if args.json:
-        print(json.dumps({"pte": args.pte, "prompt_tokens": len(ids), "new_tokens": args.max_new_tokens,
+        print(json.dumps({"pte": args.pte, "decode_windows": model.decode_windows, "prompt_tokens": len(ids),
+                          "new_tokens": args.max_new_tokens,
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **summary, "peak_rss_mib": rss}))
     else:
         print(f"{args.pte}: {len(ids)} prompt tokens, {args.max_new_tokens} new, {args.repeats} repeats; "

@@ -19,6 +19,8 @@ from .errors import SpinQuantError
 
 log = logging.getLogger(__name__)
 
+DECODE_PREFIX = "decode_"  # decode_<n>: a one-token method attending to the first n cache positions
+
 
 def limit_omp_threads() -> None:
     """Set OMP_NUM_THREADS=1 unless the user chose a value (effective only before torch is imported)."""
@@ -74,6 +76,9 @@ class PteModel:
                 "above); re-export with --ops portable"
             ) from None
         self.max_seq_len = int(self._meta("get_max_seq_len", 128))
+        # decode_<n> methods (see export.lower): one token attending to the cache's first n positions
+        self.decode_windows = sorted(int(name[len(DECODE_PREFIX):]) for name in self.program.method_names
+                                     if name.startswith(DECODE_PREFIX) and name[len(DECODE_PREFIX):].isdigit())
         eos = self._meta("get_eos_ids", [])
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.bos_id = self._meta("get_bos_id", None)
@@ -94,7 +99,12 @@ class PteModel:
                 f"{pos + len(tokens)} tokens exceed the program's context of {self.max_seq_len}; "
                 "shorten the prompt or re-export with a larger --max-seq-len"
             )
-        out = self.method.execute([torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)])
+        method = self.method
+        if len(tokens) == 1:
+            window = next((w for w in self.decode_windows if w > pos), None)
+            if window is not None:
+                method = self.program.load_method(f"{DECODE_PREFIX}{window}")  # cached by the program
+        out = method.execute([torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)])
         return out[0].reshape(-1)
 
 

@@ -75,9 +75,11 @@ def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
              tmp_path)
     assert "llama.cpp row skipped" in r.stdout
     base, rotated = _cells(r.stdout, "8da4w"), _cells(r.stdout, "8da4w + R1-R4")
+    forward_only = _cells(r.stdout, "8da4w + R1-R4, forward only")  # the same file, decoding as stock runners do
     cols = _cells(r.stdout, "runtime, file")
     assert base[cols.index("decode vs 8da4w")] == "1.000"
-    for row in (base, rotated):
+    assert forward_only[cols.index("size MiB")] == rotated[cols.index("size MiB")]
+    for row in (base, rotated, forward_only):
         assert float(row[cols.index("decode tok/s")]) > 0 and float(row[cols.index("peak RSS MiB")]) > 50
     assert sorted(p.name for p in (tmp_path / "b").glob("*.pte")) == ["8da4w-64.pte", "8da4w_R1_R4-64.pte"]
 
@@ -140,15 +142,17 @@ def test_profile_pte_accounts_for_the_decode_time(tiny_pte, tmp_path):
     """The per-operator table of a tiny .pte: its quantized linears are there with one call per
     linear and token (2 layers x q, k, v, o, gate+up stacked, down), and the rows add up to no more
     than the whole method's time."""
-    r = _run([str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--prompt-tokens", "8", "--steps", "4"], tmp_path)
-    rows = {}
-    for line in r.stdout.splitlines()[3:]:
-        name, calls, ms, _ = (c.strip() for c in line.strip("|").split("|"))
-        rows[name] = (float(calls), float(ms))
-    total = rows.pop("**Method::execute**")[1]
-    assert rows["Fully Connected (NC, QDU8, F32, QB4W) GEMM"][0] == 12
-    assert "native_call_index_put_" in rows
-    assert 0 < sum(ms for _, ms in rows.values()) <= total * 1.01
+    for flags in ([], ["--forward-only"]):  # decode_16 (the prompt's call is forward's), or forward throughout
+        r = _run([str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--prompt-tokens", "8", "--steps", "4", *flags],
+                 tmp_path)
+        rows = {}
+        for line in r.stdout.splitlines()[3:]:
+            name, calls, ms, _ = (c.strip() for c in line.strip("|").split("|"))
+            rows[name] = (float(calls), float(ms))
+        total = rows.pop("**Method::execute**")
+        assert rows["Fully Connected (NC, QDU8, F32, QB4W) GEMM"][0] == 12
+        assert "native_call_index_put_" in rows
+        assert 0 < sum(ms for _, ms in rows.values()) <= total[1] * 1.01
 
 
 def test_profile_pte_refuses_more_steps_than_the_cache_holds(tiny_pte, tmp_path):

@@ -52,7 +52,7 @@ def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
     from spinquant_et.runtime import PteModel
 
     pte = PteModel(tiny_pte)
-    assert pte.max_seq_len == MAX_SEQ
+    assert pte.max_seq_len == MAX_SEQ and pte.decode_windows == [16, 32]  # decoding below crosses from one to the other
     model, _ = _eager_transformer(tiny_ckpt)
     x = torch.randint(0, 384, (1, 20)).tolist()[0]
     with torch.no_grad():
@@ -212,3 +212,43 @@ def test_et_llama_ops_compute_what_the_portable_program_computes(tiny_hf_dir, tm
 def test_et_llama_ops_refuse_an_int8_kv_cache(tiny_ckpt, tmp_path, capsys):
     assert main(["export", "--model", str(tiny_ckpt), "--ops", "et-llama", "--out", str(tmp_path / "x.pte")]) == 2
     assert "--ops et-llama keeps a float KV cache" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_bits", [8, 16])
+def test_a_decode_window_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_bits):
+    """decode_<n> attends to the first n cache positions only: while the context fits, the positions
+    it skips are masked out anyway, so its logits are the whole-cache step's (float or int8 cache)."""
+    from spinquant_et.models import load_model
+    from spinquant_et.quantize import quantize
+
+    loaded = load_model(str(tiny_hf_dir["llama"]))
+    qm = quantize(loaded, QuantRecipe(w_method="rtn", kv_bits=kv_bits), progress=False)
+    model = build_transformer(qm.checkpoint_tensors(), loaded.model.config, loaded.arch, qm.recipe, MAX_SEQ)
+    x = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for window in (None, 16, 40):
+        model.window = None
+        with torch.no_grad():
+            model(x[None, :10], torch.tensor([0]))  # prefill through forward, as runners do
+            steps = []
+            for t in range(10, 40):
+                model.window = None if window is None else (16 if t < 16 else 40)
+                steps.append(model(x[None, t : t + 1], torch.tensor([t]))[0])
+        logits[window] = torch.stack(steps)
+    model.window = None
+    for window in (16, 40):
+        assert torch.allclose(logits[window], logits[None], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_windows_default_and_flag_errors(tiny_ckpt, tmp_path, capsys):
+    from spinquant_et.export.lower import decode_windows
+
+    assert decode_windows(512) == [128, 256, 512] and decode_windows(2048)[-2:] == [1024, 2048]
+    assert decode_windows(96) == [96] and decode_windows(512, "et-llama") == []
+    out = tmp_path / "x.pte"
+    for flags, message in ((["--decode-windows", "0,16"], "--decode-windows must be in 1..96"),
+                           (["--decode-windows", "16,big"], "--decode-windows takes auto, none or comma-separated"),
+                           (["--decode-windows", "16", "--ops", "et-llama"], "--decode-windows needs --ops portable")):
+        assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(MAX_SEQ), *flags, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -177,13 +177,29 @@ int run(const Args& a) {
 
   std::ifstream probe(a.model);
   if (!probe) throw Fail(".pte not found: " + a.model);
-  Module module(a.model, Module::LoadMode::MmapUseMlockIgnoreErrors);
+  // share_memory_arenas: the decode_<n> methods read the KV cache that forward writes (one allocation)
+  Module module(a.model, Module::LoadMode::MmapUseMlockIgnoreErrors, nullptr, nullptr, nullptr,
+                /*share_memory_arenas=*/true);
   if (module.load() != Error::Ok) throw Fail(a.model + " is not an ExecuTorch program (corrupt or not a .pte); re-export it");
   Error err = module.load_method("forward");
   if (err == Error::OperatorMissing)
     throw Fail(a.model + ": this runtime lacks operators the program needs (see 'Missing operator' above); "
                          "re-export with --ops portable");
   if (err != Error::Ok) throw Fail(a.model + ": cannot load its forward method (error " + std::to_string(int(err)) + ")");
+  // decode_<n> methods (one token attending to the first n cache positions, the KV cache shared with
+  // forward): each decode step takes the smallest one that holds the context so far.
+  std::vector<std::pair<int64_t, std::string>> decode_methods;
+  if (auto names = module.method_names(); names.ok()) {
+    for (const auto& name : *names) {
+      const std::string prefix = "decode_";
+      if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() ||
+          name.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
+        continue;
+      if (module.load_method(name) != Error::Ok) throw Fail(a.model + ": cannot load its " + name + " method");
+      decode_methods.emplace_back(std::stoll(name.substr(prefix.size())), name);
+    }
+  }
+  std::sort(decode_methods.begin(), decode_methods.end());
   auto max_len = metadata_ints(module, "get_max_seq_len");
   const int64_t max_seq_len = max_len.empty() ? 128 : max_len[0];
   auto eos_list = metadata_ints(module, "get_eos_ids");
@@ -217,8 +233,15 @@ int run(const Args& a) {
     auto tokens = from_blob(input.data(), {1, static_cast<int>(input.size())}, executorch::aten::ScalarType::Long);
     int64_t start = pos;
     auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);
-    auto result = module.forward(std::vector<EValue>{EValue(*tokens), EValue(*start_pos)});
-    if (!result.ok()) throw Fail("forward failed at position " + std::to_string(pos) + " (error " +
+    std::string method = "forward";
+    if (input.size() == 1)
+      for (const auto& [window, name] : decode_methods)
+        if (window > pos) {
+          method = name;
+          break;
+        }
+    auto result = module.execute(method, std::vector<EValue>{EValue(*tokens), EValue(*start_pos)});
+    if (!result.ok()) throw Fail(method + " failed at position " + std::to_string(pos) + " (error " +
                                  std::to_string(int(result.error())) + ")");
     const auto& logits = result->at(0).toTensor();
     size_t vocab = logits.size(logits.dim() - 1);

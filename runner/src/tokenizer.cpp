@@ -285,24 +285,46 @@ std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
   return out;
 }
 
+// Valid UTF-8 only, as Python's bytes.decode(errors="replace") gives it: a byte that cannot start or
+// continue a character becomes U+FFFD; a sequence cut off by the end of the bytes so far waits for
+// the next token (push) or becomes U+FFFD (flush).
 std::string Utf8Streamer::push(const std::string& bytes) {
+  static const std::string kReplacement = "\xEF\xBF\xBD";
   pending_ += bytes;
-  // Find the start of a trailing incomplete sequence, if any.
-  size_t n = pending_.size(), cut = n;
-  for (size_t back = 1; back <= 4 && back <= n; ++back) {
-    unsigned char c = static_cast<unsigned char>(pending_[n - back]);
-    if ((c & 0xC0) == 0x80) continue;  // continuation byte: keep looking for the lead byte
-    if (c >= 0xC0 && utf8_len(c) > back) cut = n - back;
-    break;
+  std::string ready;
+  size_t i = 0;
+  while (i < pending_.size()) {
+    unsigned char c = static_cast<unsigned char>(pending_[i]);
+    if (c < 0x80) {
+      ready += pending_[i++];
+      continue;
+    }
+    size_t len = utf8_len(c);
+    if (len == 1 || c >= 0xF8) {  // a stray continuation byte, or no UTF-8 lead byte at all
+      ready += kReplacement;
+      ++i;
+      continue;
+    }
+    size_t have = 1;
+    while (have < len && i + have < pending_.size() && (static_cast<unsigned char>(pending_[i + have]) & 0xC0) == 0x80)
+      ++have;
+    if (have == len) {
+      ready.append(pending_, i, len);
+      i += len;
+    } else if (i + have == pending_.size()) {
+      break;  // incomplete so far: keep it for the next push
+    } else {
+      ready += kReplacement;  // a lead byte whose sequence is broken by a non-continuation byte
+      i += have;
+    }
   }
-  std::string ready = pending_.substr(0, cut);
-  pending_.erase(0, cut);
+  pending_.erase(0, i);
   return ready;
 }
 
 std::string Utf8Streamer::flush() {
-  std::string rest;
-  rest.swap(pending_);
+  std::string rest = pending_.empty() ? "" : "\xEF\xBF\xBD";
+  pending_.clear();
   return rest;
 }
 

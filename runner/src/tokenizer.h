@@ -51,7 +51,8 @@ class Tokenizer {
 // Turns a stream of token bytes into whole UTF-8 characters.
 class Utf8Streamer {
  public:
-  // Bytes ready to print (complete characters); incomplete trailing bytes are kept.
+  // Bytes ready to print: complete characters, U+FFFD for invalid bytes; an incomplete trailing
+  // sequence is kept for the next push (flush turns it into U+FFFD).
   std::string push(const std::string& bytes);
   std::string flush();
 

@@ -187,18 +187,22 @@ class KVCache(nn.Module):
         return torch.ops.quantized_decomposed.dequantize_per_token(q, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8,
                                                                    torch.float32)
 
-    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return the whole cache."""
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
+        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return the cache's first ``window``
+        positions (all of them if None), dequantized when int8: only what attention reads."""
+        def read(t):  # no slice at all for the whole cache (it would be a copy in the program)
+            return t if window is None else t[:, :window]
+
         if not self.quantized:
             self.k[:, pos] = k
             self.v[:, pos] = v
-            return self.k, self.v
+            return read(self.k), read(self.v)
         qk, sk, zk = self._quantize(k)
         qv, sv, zv = self._quantize(v)
         self.k[:, pos], self.k_scale[:, pos], self.k_zero[:, pos] = qk, sk, zk
         self.v[:, pos], self.v_scale[:, pos], self.v_zero[:, pos] = qv, sv, zv
-        return (self._dequantize(self.k, self.k_scale, self.k_zero),
-                self._dequantize(self.v, self.v_scale, self.v_zero))
+        return (self._dequantize(read(self.k), read(self.k_scale), read(self.k_zero)),
+                self._dequantize(read(self.v), read(self.v_scale), read(self.v_zero)))
 
 
 class Attention(nn.Module):
@@ -222,7 +226,7 @@ class Attention(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + F.linear(x, self.rot_half) * sin
 
-    def forward(self, x, cos, sin, pos, mask):
+    def forward(self, x, cos, sin, pos, mask, window: int | None = None):
         if self.args.ops == "et-llama":
             return self._forward_et_llama(x, cos, sin, pos)
         a = self.args
@@ -236,7 +240,7 @@ class Attention(nn.Module):
         k = self._rope(k.transpose(1, 2), cos, sin)
         if self.r3 is not None:
             q, k = self.r3(q), self.r3(k)
-        keys, values = self.cache.update(pos, k.reshape(kvh, -1, hd), v.reshape(kvh, -1, hd))  # [kv, max_seq, hd]
+        keys, values = self.cache.update(pos, k.reshape(kvh, -1, hd), v.reshape(kvh, -1, hd), window)  # [kv, n, hd]
         # GQA without copying the cache: fold each kv head's query heads into the row axis.
         q = q.reshape(kvh, -1, hd)  # [kv, rep * t, hd]
         scores = torch.bmm(q, keys.transpose(1, 2)) * self.scale + mask
@@ -309,8 +313,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention, self.feed_forward = attention, feed_forward
 
-    def forward(self, x, cos, sin, pos, mask):
-        x = x + self.attention(self.attention_norm(x), cos, sin, pos, mask)
+    def forward(self, x, cos, sin, pos, mask, window: int | None = None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, pos, mask, window)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -327,13 +331,17 @@ class Transformer(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         causal = torch.full((args.max_seq_len, args.max_seq_len), float("-inf")).triu(1)
         self.register_buffer("mask", causal, persistent=False)
+        # When set (an int), ``forward`` attends to the cache's first ``window`` positions only: a decode
+        # method exported with it has static shapes and costs what the filled context costs.
+        self.window: int | None = None
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
         pos = input_pos[0] + torch.arange(t, dtype=torch.long)
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = self.mask[pos].repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # rows match the GQA fold
+        mask = self.mask[pos] if self.window is None else self.mask[pos, : self.window]
+        mask = mask.repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # rows match the GQA fold
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, pos, mask)
+            x = layer(x, cos, sin, pos, mask, self.window)
         return self.output(self.norm(x[:, -1, :]))

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import SpinQuantError
 from ..recipe import QuantRecipe
 from .build import build_transformer, check_exportable, check_ops
-from .lower import lower_to_pte, metadata_methods
+from .lower import decode_windows, lower_to_pte, metadata_methods
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,10 @@ def chat_prefix_suffix(tokenizer) -> tuple[str, str] | None:
 
 
 def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
-           force: bool = False, ops: str = "portable", calib_text: str | None = None) -> ExportResult:
-    """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``."""
+           force: bool = False, ops: str = "portable", calib_text: str | None = None,
+           windows: list[int] | None = None) -> ExportResult:
+    """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``
+    with a ``decode_<n>`` method per window (default: ``decode_windows(max_seq_len, ops)``; [] for none)."""
     from ..io import refuse_existing
 
     out = Path(out)
@@ -109,8 +111,10 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
     seconds["build"] = time.perf_counter() - t0
     bos = tokenizer.bos_token_id
-    seconds.update(lower_to_pte(transformer, out, metadata_methods(transformer, bos, eos_ids(tokenizer, config)), force))
+    windows = decode_windows(max_seq_len, ops) if windows is None else windows
+    meta = metadata_methods(transformer, bos, eos_ids(tokenizer, config))
+    seconds.update(lower_to_pte(transformer, out, meta, force, windows))
     tok_path = write_tokenizer(tokenizer, out.parent)
-    sidecar = {**json.loads(recipe.to_json()), "max_seq_len": max_seq_len, "ops": ops}
+    sidecar = {**json.loads(recipe.to_json()), "max_seq_len": max_seq_len, "ops": ops, "decode_windows": windows}
     (out.parent / f"{out.stem}.recipe.json").write_text(json.dumps(sidecar, indent=2))
     return ExportResult(out, tok_path, recipe, seconds)
