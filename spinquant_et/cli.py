@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--decode-windows", default="auto", metavar="auto|none|N,N,...",
                    help="one-token decode methods (decode_N) that attend to the cache's first N positions, sharing "
                    "the KV cache and the weights with forward: our runners decode each token with the smallest "
-                   "one that holds the context, so decode costs what the filled context costs. auto: 128, 256, "
-                   "... up to --max-seq-len (default); none: forward only (a smaller program, lowered faster; "
-                   "decode then attends over the whole cache). Each window lowers the model once more")
+                   "one that holds the context, so decode costs what the filled context costs. auto: 128, 512, "
+                   "2048, ... below --max-seq-len, and --max-seq-len itself (default); none: forward only (lowered "
+                   "faster; decode then attends over the whole cache). Each window lowers the model once more")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
                    "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "

@@ -243,7 +243,7 @@ def test_a_decode_window_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_
 def test_decode_windows_default_and_flag_errors(tiny_ckpt, tmp_path, capsys):
     from spinquant_et.export.lower import decode_windows
 
-    assert decode_windows(512) == [128, 256, 512] and decode_windows(2048)[-2:] == [1024, 2048]
+    assert decode_windows(512) == [128, 512] and decode_windows(4096) == [128, 512, 2048, 4096]
     assert decode_windows(96) == [96] and decode_windows(512, "et-llama") == []
     out = tmp_path / "x.pte"
     for flags, message in ((["--decode-windows", "0,16"], "--decode-windows must be in 1..96"),

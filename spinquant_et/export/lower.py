@@ -43,18 +43,19 @@ def metadata_methods(model: Transformer, bos_id: int | None, eos_ids: list[int])
 
 
 MIN_DECODE_WINDOW = 128
+WINDOW_GROWTH = 4  # each lowered method costs export time (~ one more lowering); 4x keeps attention within 4x the context
 
 
 def decode_windows(max_seq_len: int, ops: str = "portable") -> list[int]:
-    """The default ``decode_<n>`` windows: 128, 256, ... doubling, up to ``max_seq_len`` (included,
-    so every decode step runs a static graph). None for et-llama programs (their attention already
-    stops at the current position)."""
+    """The default ``decode_<n>`` windows: 128, 512, 2048, ... below ``max_seq_len``, and
+    ``max_seq_len`` itself (so every decode step runs a static graph). None for et-llama programs
+    (their attention already stops at the current position)."""
     if ops != "portable":
         return []
     windows, n = [], MIN_DECODE_WINDOW
     while n < max_seq_len:
         windows.append(n)
-        n *= 2
+        n *= WINDOW_GROWTH
     return windows + [max_seq_len]
 
 
