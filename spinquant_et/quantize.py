@@ -162,7 +162,9 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
                          progress: bool = True) -> dict[str, torch.Tensor]:
     """GPTQ every decoder linear, layer by layer and, inside a layer, in dependency order (q/k/v, o,
     gate/up, down): each Hessian comes from inputs computed with everything before already quantized,
-    activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run)."""
+    activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run).
+    With ``recipe.gptq_target == "float"`` a float twin of each layer runs on the float model's inputs
+    beside it, and GPTQ aims at the float outputs (``quant.gptq.float_target``)."""
     from .quant.gptq import float_target, gptq_quantize
 
     arch = loaded.arch
