@@ -226,18 +226,19 @@ def test_a_decode_window_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_
     model = build_transformer(qm.checkpoint_tensors(), loaded.model.config, loaded.arch, qm.recipe, MAX_SEQ)
     x = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(1))
     logits = {}
-    for window in (None, 16, 40):
+    # each step takes the smallest window that holds it, as the runners do; MAX_SEQ: the whole cache, no slice
+    for windows in ((), (16, 40), (16, MAX_SEQ), (MAX_SEQ,)):
         model.window = None
         with torch.no_grad():
             model(x[None, :10], torch.tensor([0]))  # prefill through forward, as runners do
             steps = []
             for t in range(10, 40):
-                model.window = None if window is None else (16 if t < 16 else 40)
+                model.window = next((w for w in windows if w > t), None)
                 steps.append(model(x[None, t : t + 1], torch.tensor([t]))[0])
-        logits[window] = torch.stack(steps)
+        logits[windows] = torch.stack(steps)
     model.window = None
-    for window in (16, 40):
-        assert torch.allclose(logits[window], logits[None], rtol=1e-4, atol=1e-4)
+    for windows in ((16, 40), (16, MAX_SEQ), (MAX_SEQ,)):
+        assert torch.allclose(logits[windows], logits[()], rtol=1e-4, atol=1e-4)
 
 
 def test_decode_windows_default_and_flag_errors(tiny_ckpt, tmp_path, capsys):

@@ -190,8 +190,8 @@ class KVCache(nn.Module):
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
         """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return the cache's first ``window``
         positions (all of them if None), dequantized when int8: only what attention reads."""
-        def read(t):  # no slice at all for the whole cache (it would be a copy in the program)
-            return t if window is None else t[:, :window]
+        def read(t):  # the program copies a slice (alias_copy even for [:, :max]): none for the whole cache
+            return t if window is None or window >= t.shape[1] else t[:, :window]
 
         if not self.quantized:
             self.k[:, pos] = k
