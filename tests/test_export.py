@@ -170,8 +170,17 @@ def test_export_straight_from_a_float_model(tiny_hf_dir, tmp_path):
 
     out = tmp_path / "direct.pte"
     assert main(["export", "--model", str(tiny_hf_dir["qwen3"]), "--max-seq-len", "64", "--out", str(out)]) == 0
-    ids, stats = generate(PteModel(out), [5, 6, 7, 8], 8, stop_at_eos=False)
+    pte = PteModel(out)
+    ids, stats = generate(pte, [5, 6, 7, 8], 8, stop_at_eos=False)
     assert len(ids) == 8 and stats.prompt_tokens == 4
+    # the default windows here: decode_64 alone, the whole cache; its steps compute what forward's do
+    assert pte.decode_windows == [64]
+    x = [5, 6, 7, 8, *ids]
+    by_decode = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
+    pte.decode_windows = []
+    by_forward = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
+    assert ((by_decode - by_forward).norm() / by_forward.norm()).item() < 0.03
+    assert torch.equal(by_decode.argmax(-1), by_forward.argmax(-1))
     assert json.loads((tmp_path / "direct.recipe.json").read_text())["rotation"] == "hadamard"
 
 
