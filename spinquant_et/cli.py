@@ -310,7 +310,7 @@ def cmd_eval_pte(args) -> int:
 
 
 def _decode_windows(spec: str, max_seq_len: int, ops: str) -> list[int]:
-    from .export.lower import decode_windows
+    from .export.lower import check_windows, decode_windows
 
     if spec == "auto":
         return decode_windows(max_seq_len, ops)
@@ -319,12 +319,10 @@ def _decode_windows(spec: str, max_seq_len: int, ops: str) -> list[int]:
     if ops != "portable":
         raise SpinQuantError("--decode-windows needs --ops portable (et-llama attention already stops at the context)")
     try:
-        windows = sorted({int(w) for w in spec.split(",")})
+        windows = [int(w) for w in spec.split(",")]
     except ValueError:
         raise SpinQuantError(f"--decode-windows takes auto, none or comma-separated integers, got {spec!r}") from None
-    if any(not 1 <= w <= max_seq_len for w in windows):
-        raise SpinQuantError(f"--decode-windows must be in 1..{max_seq_len} (--max-seq-len), got {spec}")
-    return windows
+    return check_windows(windows, max_seq_len)
 
 
 def cmd_export(args) -> int:

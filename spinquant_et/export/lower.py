@@ -59,6 +59,15 @@ def decode_windows(max_seq_len: int, ops: str = "portable") -> list[int]:
     return windows + [max_seq_len]
 
 
+def check_windows(windows: list[int], max_seq_len: int) -> list[int]:
+    """``windows`` sorted and unique, each within ``1 .. max_seq_len`` (else a one-line error)."""
+    windows = sorted(set(windows))
+    if any(not 1 <= w <= max_seq_len for w in windows):
+        raise SpinQuantError(f"--decode-windows must be in 1..{max_seq_len} (--max-seq-len), got "
+                             f"{','.join(map(str, windows))}")
+    return windows
+
+
 def export_program(model: Transformer, window: int | None = None):
     """``torch.export`` of ``forward`` with a dynamic token count ``1 .. max_seq_len - 1`` or, with
     ``window``, of a one-token decode step attending to the cache's first ``window`` positions."""
@@ -86,9 +95,7 @@ def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: boo
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
-    windows = sorted(set(windows or []))
-    if any(not 1 <= w <= model.args.max_seq_len for w in windows):
-        raise SpinQuantError(f"decode windows must be in 1..{model.args.max_seq_len} (--max-seq-len), got {windows}")
+    windows = check_windows(windows or [], model.args.max_seq_len)
 
     times = {}
     with atomic_output_file(out, force) as tmp:

@@ -92,7 +92,7 @@ def float_target(weight: torch.Tensor, hessian: torch.Tensor, cross: torch.Tenso
     ``(W C H^-1 - Q) H (...)^T``: GPTQ on it minimizes the asymmetric objective exactly (GPTAQ, Li et al. 2025).
     """
     # Damped toward W rather than toward 0 (a ridge on W' - W): W' = W (C + lambda I) (H + lambda I)^-1.
-    h, c = hessian.double().clone(), cross.double().clone()
+    h, c = hessian.double(), cross.double()  # read only: no copies needed
     ridge = damp * torch.mean(torch.diag(h)) * torch.eye(h.shape[0], dtype=h.dtype)
     return torch.linalg.solve(h + ridge, (weight.double() @ (c + ridge)).T).T.to(weight.dtype)  # H symmetric
 
