@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import SpinQuantError
-from .io import atomic_output_dir
+from .io import atomic_output_dir, read_json
 from .models.arch import arch_for
 from .models.load import LoadedModel, _load_tokenizer
 from .online import attach_recipe
@@ -41,13 +41,32 @@ def save_quantized(qm: QuantizedModel, out: str | Path, force: bool = False) -> 
     return Path(out)
 
 
-def read_checkpoint(path: str | Path):
-    """``(tensors, config, arch, recipe)`` of a checkpoint directory, tensors as stored (ints + scales)."""
+def read_recipe(path: Path) -> QuantRecipe:
+    """The checkpoint's recipe.json, or a one-line error naming what is wrong with it."""
+    data = read_json(path / RECIPE, "re-run quantize")
+    try:
+        return QuantRecipe.from_dict(data)
+    except (TypeError, AttributeError, SpinQuantError) as e:
+        raise SpinQuantError(f"{path / RECIPE} is not a recipe ({e}); re-run quantize") from None
+
+
+def read_config(path: Path):
+    """The checkpoint's HF config, or a one-line error."""
     from transformers import AutoConfig
 
+    read_json(path / "config.json", "re-run quantize")  # a readable error before transformers' own
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a config it cannot use
+        raise SpinQuantError(f"{path / 'config.json'} is not a usable model config ({type(e).__name__}); "
+                             "re-run quantize") from None
+
+
+def read_checkpoint(path: str | Path):
+    """``(tensors, config, arch, recipe)`` of a checkpoint directory, tensors as stored (ints + scales)."""
     path = Path(path)
-    recipe = QuantRecipe.from_json((path / RECIPE).read_text())
-    config = AutoConfig.from_pretrained(path)
+    recipe = read_recipe(path)
+    config = read_config(path)
     arch = arch_for(config.model_type)
     try:
         tensors = load_file(str(path / WEIGHTS))

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from . import quiet
 from .errors import SpinQuantError
 from .recipe import NO_QUANT, QuantRecipe
 
@@ -96,10 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spinquant-et",
         description="Rotate (SpinQuant/QuaRot), quantize and evaluate Llama-family models for ExecuTorch.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="debug logging, and the warnings and logs of torch, transformers and ExecuTorch (hidden by default)")
     sub = parser.add_subparsers(dest="command", required=True)
+    verbose = argparse.ArgumentParser(add_help=False)  # -v also after the command (default: the one before it)
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="debug logging, and the warnings and logs of torch, transformers and ExecuTorch")
 
-    q = sub.add_parser("quantize", help="fuse norms, rotate, quantize weights; write a checkpoint directory",
+    q = sub.add_parser("quantize", parents=[verbose], help="fuse norms, rotate, quantize weights; write a checkpoint directory",
                        description="Fuse RMSNorms, rotate (R1/R2 offline, R3/R4 online), quantize weights with "
                        "GPTQ (or RTN + clipping), and write a quantized checkpoint directory (safetensors with integer "
                        "weights and scales, recipe.json, tokenizer).")
@@ -108,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--out", required=True, help="output directory (written atomically)")
     q.add_argument("--force", action="store_true", help="overwrite --out if it exists")
 
-    e = sub.add_parser("eval", help="perplexity of a float model or a quantized checkpoint",
+    e = sub.add_parser("eval", parents=[verbose], help="perplexity of a float model or a quantized checkpoint",
                        description="Perplexity on non-overlapping windows. A quantized checkpoint runs with its "
                        "recipe's activation/KV bits unless --a-bits/--kv-bits override them; a float model "
                        "runs in float unless they are given.")
@@ -122,11 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "positions where both pick the same next token), as llama-perplexity --kl-divergence reports")
     e.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
-    x = sub.add_parser("export", help="quantize (or take a quantized checkpoint) and lower to an ExecuTorch .pte",
+    x = sub.add_parser("export", parents=[verbose],
+                       help="quantize (or take a quantized checkpoint) and lower to an ExecuTorch .pte",
                        description="Quantize --model with the recipe flags (a checkpoint directory from `quantize` is "
                        "exported as it is), build the model with R3/R4 and a KV cache in the graph, lower it to "
-                       "XNNPACK (8-bit dynamic activations x int4 groupwise weights) and write the .pte with "
-                       "tokenizer.json beside it.")
+                       "XNNPACK (8-bit dynamic activations x int4 groupwise weights) and write, into the folder of "
+                       "--out: X.pte, X.recipe.json (recipe, --max-seq-len, decode windows), and the tokenizer files "
+                       "every .pte in that folder shares: tokenizer.json, tokenizer_config.json, chat_template.jinja "
+                       "and chat.json (the chat template pre-rendered for the C++ runner) when the tokenizer has "
+                       "them. Refuses to overwrite any of them without --force.")
     x.add_argument("--model", required=True, help=MODEL_HELP)
     _add_recipe_flags(x)
     x.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
@@ -144,9 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "attend only up to the current position (faster decode at long --max-seq-len), but the "
                    "runtime must link ExecuTorch's custom-ops library; float KV cache only")
     x.add_argument("--out", required=True, help="the .pte to write (atomically)")
-    x.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    x.add_argument("--force", action="store_true", help="overwrite --out and the files beside it that export writes")
 
-    o = sub.add_parser("optimize", help="learn R1/R2 with Cayley SGD (SpinQuant); write an R.bin",
+    o = sub.add_parser("optimize", parents=[verbose], help="learn R1/R2 with Cayley SGD (SpinQuant); write an R.bin",
                        description="Learn R1 and one R2 per layer, starting from random Hadamards, by Cayley SGD on "
                        "the loss of the fake-quantized model (by default W4A4KV4 and the KL divergence from the "
                        "float model's predictions; frozen weights, straight-through estimators, cosine schedule). "
@@ -185,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--resume", action="store_true", help="continue from OUT.ckpt exactly where it stopped")
     o.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
-    r = sub.add_parser("report", help="PNG plots: linear-input outliers by rotation, perplexity by method, loss curve",
+    r = sub.add_parser("report", parents=[verbose],
+                       help="PNG plots: linear-input outliers by rotation, perplexity by method, loss curve",
                        description="Writes outliers.png (max/median channel magnitude of every decoder linear's "
                        "input, per layer, without rotation, with random Hadamards and with --learned), and, when "
                        "given, quality.png from `scripts/bench_quality.py --json-out` and loss.png from an "
@@ -196,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--loss", help="an R.bin.loss.json written by `optimize`")
     r.add_argument("--windows", type=int, default=4, help="calibration windows for the outlier statistics (default 4)")
     r.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    r.add_argument("--out-dir", default="docs/img", help="where the PNGs go (default docs/img)")
+    r.add_argument("--out-dir", default="report", help="where the PNGs (and outliers.json) go (default ./report)")
 
-    c = sub.add_parser("convert", help="quantized checkpoint -> ExecuTorch's pre-quantized Llama checkpoint",
+    c = sub.add_parser("convert", parents=[verbose], help="quantized checkpoint -> ExecuTorch's pre-quantized Llama checkpoint",
                        description="Write consolidated.00.pth (Meta key names and RoPE layout, int8 tensors holding "
                        "int4 values with fp32 .scales, int8 embeddings and output) and params.json, the input of "
                        "ExecuTorch's own export_llama: --checkpoint OUT/consolidated.00.pth --params "
@@ -208,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="output directory (written atomically)")
     c.add_argument("--force", action="store_true", help="overwrite --out if it exists")
 
-    g = sub.add_parser("generate", help="stream text from a .pte",
+    g = sub.add_parser("generate", parents=[verbose], help="stream text from a .pte",
                        description="Prefill the prompt, decode with the program's KV cache, stream text to stdout; "
                        "time to first token and tokens/s go to stderr.")
     g.add_argument("pte", help="the .pte file")
@@ -220,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
 
-    b = sub.add_parser("bench", help="prefill/decode tokens/s of a .pte over repeats",
+    b = sub.add_parser("bench", parents=[verbose], help="prefill/decode tokens/s of a .pte over repeats",
                        description="Runs generate N times (greedy, no EOS stop) and reports min/median/max.")
     b.add_argument("pte", help="the .pte file")
     b.add_argument("--tokenizer", help="tokenizer.json or its directory (default: beside the .pte)")
@@ -235,6 +245,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _preflight(args, recipe: QuantRecipe | None) -> None:
+    """What the flags and the model's config decide, checked before any weights load (seconds, not the
+    half minute of loading them): text files, group size against every layer's width, an R.bin's shapes."""
+    from .data import check_text_source
+    from .models.load import config_input_dims, load_config
+
+    check_text_source(getattr(args, "calib_text", None))
+    check_text_source(getattr(args, "text_file", None))
+    config = load_config(args.model)
+    if config is None or recipe is None:
+        return
+    recipe.check_dims(config_input_dims(config))
+    if recipe.rotation.endswith(".bin"):
+        from .rotation.io import load_rotations
+
+        load_rotations(recipe.rotation, config)
+
+
 def cmd_quantize(args) -> int:
     from pathlib import Path
 
@@ -245,6 +273,7 @@ def cmd_quantize(args) -> int:
 
     recipe = _recipe(args)
     refuse_existing(Path(args.out), args.force)  # before minutes of work, not after
+    _preflight(args, recipe)
     t0 = time.perf_counter()
     loaded = load_model(args.model)
     qm = quantize(loaded, recipe, calib_text=args.calib_text)
@@ -259,11 +288,32 @@ def _tokenizer_for(pte: str, explicit: str | None):
     from .models.load import _load_tokenizer
 
     where = Path(explicit) if explicit else Path(pte).parent
+    if explicit and not where.exists():
+        raise SpinQuantError(f"--tokenizer {where} not found; pass the tokenizer.json that export wrote, or its folder")
     if where.is_file():
-        where = where.parent
+        return _tokenizer_file(where)
     if not (where / "tokenizer.json").is_file():
         raise SpinQuantError(f"no tokenizer.json in {where}; pass --tokenizer (export writes it beside the .pte)")
     return _load_tokenizer(str(where))
+
+
+def _tokenizer_file(path):
+    """A tokenizer given as a file: its folder's tokenizer (config and chat template too) when it is
+    that folder's tokenizer.json, else the file alone; a one-line error when it is not a tokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from .models.load import _load_tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for JSON it cannot read
+        reason = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+        raise SpinQuantError(f"--tokenizer {path} is not a tokenizer.json ({reason}); pass the tokenizer.json "
+                             "that export wrote beside the .pte") from None
+    if path.name == "tokenizer.json":
+        return _load_tokenizer(str(path.parent))
+    return PreTrainedTokenizerFast(tokenizer_file=str(path))
 
 
 def _eval_windows(tokenizer, args):
@@ -295,8 +345,10 @@ def _print_eval(result: dict, label: str, as_json: bool) -> None:
 
 
 def cmd_eval_pte(args) -> int:
+    from .data import check_text_source
     from .runtime import PteModel, pte_token_stats
 
+    check_text_source(args.text_file)
     model = PteModel(args.model)
     tokenizer = _tokenizer_for(args.model, None)
     windows = _eval_windows(tokenizer, args)
@@ -326,10 +378,16 @@ def _decode_windows(spec: str, max_seq_len: int, ops: str) -> list[int]:
 
 
 def cmd_export(args) -> int:
-    from .export.pipeline import export
+    from pathlib import Path
 
+    from .export.pipeline import export, refuse_existing_outputs
+
+    windows = _decode_windows(args.decode_windows, args.max_seq_len, args.ops)
+    refuse_existing_outputs(Path(args.out), args.force)
+    is_checkpoint = Path(args.model, "recipe.json").is_file()  # exported as it is: its own recipe
+    _preflight(args, None if is_checkpoint else _recipe(args))
     result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops, args.calib_text,
-                    _decode_windows(args.decode_windows, args.max_seq_len, args.ops))
+                    windows)
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")
@@ -395,7 +453,15 @@ def cmd_report(args) -> int:
     from pathlib import Path
 
     from . import report
+    from .io import read_json
 
+    if not (args.model or args.quality or args.loss):
+        raise SpinQuantError("nothing to plot: give --model, --quality and/or --loss")
+    quality = read_json(Path(args.quality), "pass the JSON that scripts/bench_quality.py --json-out wrote") \
+        if args.quality else None
+    loss = read_json(Path(args.loss), "pass the R.bin.loss.json that optimize wrote") if args.loss else None
+    if loss is not None and not (isinstance(loss, dict) and isinstance(loss.get("loss"), list)):
+        raise SpinQuantError(f"{args.loss} has no 'loss' list; pass the R.bin.loss.json that optimize wrote")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -414,12 +480,10 @@ def cmd_report(args) -> int:
         written.append(report.plot_outliers(ratios, out_dir / "outliers.png",
                                             f"{args.model}: linear-input outliers (float model, {args.windows} x "
                                             f"{args.seq_len} tokens)"))
-    if args.quality:
-        written.append(report.plot_quality(json.loads(Path(args.quality).read_text()), out_dir / "quality.png"))
-    if args.loss:
-        written.append(report.plot_loss(Path(args.loss), out_dir / "loss.png"))
-    if not written:
-        raise SpinQuantError("nothing to plot: give --model, --quality and/or --loss")
+    if quality is not None:
+        written.append(report.plot_quality(quality, out_dir / "quality.png"))
+    if loss is not None:
+        written.append(report.plot_loss(loss, out_dir / "loss.png"))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 
@@ -497,6 +561,7 @@ def cmd_eval(args) -> int:
 
     if str(args.model).endswith(".pte"):
         return cmd_eval_pte(args)
+    _preflight(args, None)
     loaded = load_model(args.model)
     recipe = loaded.recipe
     a_bits = args.a_bits if args.a_bits is not None else (recipe.a_bits if recipe else NO_QUANT)
@@ -534,10 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         from .runtime import limit_omp_threads
 
         limit_omp_threads()  # before torch loads: MKL/OpenMP threads would fight ExecuTorch's
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("transformers", "torchao", "torch"):
-        logging.getLogger(noisy).setLevel(logging.ERROR)
+    quiet.configure(args.verbose)
     try:
         return COMMANDS[args.command](args)
     except SpinQuantError as e:

@@ -46,15 +46,21 @@ def wikitext2_text(split: str = "test") -> str:
     return "\n\n".join(data["text"])
 
 
+def check_text_source(source: str | Path | None) -> None:
+    """A one-line error now, not after the model loads, for a text file that is not there."""
+    if source is not None and str(source) not in (BUILTIN, WIKITEXT2) and not Path(source).is_file():
+        raise SpinQuantError(f"text file not found: {source}; pass a UTF-8 text file, or leave the flag out for the "
+                             "built-in text")
+
+
 def load_text(source: str | Path | None = None, split: str = "test") -> str:
     """Text from ``source``: None or "builtin", "wikitext2", or a path to a UTF-8 file."""
+    check_text_source(source)
     if source is None or str(source) == BUILTIN:
         return builtin_text(split)
     if str(source) == WIKITEXT2:
         return wikitext2_text(split)
     path = Path(source)
-    if not path.is_file():
-        raise SpinQuantError(f"text file not found: {path}")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

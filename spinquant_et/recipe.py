@@ -7,7 +7,7 @@ rebuild exactly the same model (which online rotations, which activation/KV bits
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import SpinQuantError
@@ -99,7 +99,17 @@ class QuantRecipe:
 
     @classmethod
     def from_json(cls, text: str) -> "QuantRecipe":
-        data = json.loads(text)
-        data.setdefault("gptq_target", "layer")  # what GPTQ did before the field existed
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "QuantRecipe":
+        """A recipe from its JSON fields; fields of newer versions are ignored."""
+        if not isinstance(data, dict):
+            raise SpinQuantError(f"expected a JSON object, got {type(data).__name__}")
+        data = {"gptq_target": "layer", **data}  # what GPTQ did before the field existed
+        defaults = asdict(cls())
+        for key, value in data.items():
+            want = type(defaults.get(key))
+            if key in defaults and not (isinstance(value, want) or (want is float and isinstance(value, int))):
+                raise SpinQuantError(f"{key} must be {want.__name__}, got {value!r}")
+        return cls(**{k: v for k, v in data.items() if k in defaults})

@@ -1,7 +1,7 @@
 """Pictures of what rotation does: outliers per layer, perplexity by method, the optimize loss curve.
 
 ``spinquant-et report --model M [--learned R.bin] [--quality results.json] [--loss R.bin.loss.json]
---out-dir docs/img`` writes PNGs (matplotlib, Agg backend, no display needed).
+--out-dir report`` writes PNGs (matplotlib, Agg backend, no display needed).
 
 Outliers: for every decoder linear, the input it really multiplies (after R4 for down_proj) is
 collected on a few calibration windows; per input channel we take max |x| over tokens, and the
@@ -13,7 +13,6 @@ median channel loses; rotation spreads outliers over all channels and drives it 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -115,9 +114,9 @@ def plot_quality(results: dict, out: Path) -> Path:
     return out
 
 
-def plot_loss(loss_json: Path, out: Path) -> Path:
+def plot_loss(data: dict, out: Path) -> Path:
+    """loss.png from the contents of an ``R.bin.loss.json``."""
     plt = _plt()
-    data = json.loads(Path(loss_json).read_text())
     loss = data["loss"]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(range(1, len(loss) + 1), loss, alpha=0.35, label="per step")

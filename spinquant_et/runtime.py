@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,20 +62,29 @@ class PteModel:
             log.debug("optional ExecuTorch kernels not loaded: %s", e)
         from executorch.runtime import Runtime
 
+        from .quiet import native_stderr, silence_library_loggers
+
+        silence_library_loggers()  # torchao's import-time warnings come through torch's loggers
         self.path = Path(path)
         if not self.path.is_file():
             raise SpinQuantError(f".pte not found: {self.path}")
-        try:
-            self.program = Runtime.get().load_program(self.path, enable_etdump=etdump)
-        except Exception:
-            raise SpinQuantError(f"{self.path} is not an ExecuTorch program (corrupt or not a .pte); re-export it") from None
-        try:
-            self.method = self.program.load_method("forward")
-        except Exception:
+        with native_stderr() as native:  # ExecuTorch's C++ logs (cpuinfo probes at its first load)
+            try:
+                self.program = Runtime.get().load_program(self.path, enable_etdump=etdump)
+            except Exception:
+                self.program = None
+            try:
+                self.method = self.program and self.program.load_method("forward")
+            except Exception:
+                self.method = None
+        if self.program is None:
+            raise SpinQuantError(f"{self.path} is not an ExecuTorch program (corrupt or not a .pte); re-export it")
+        if self.method is None:
+            missing = sorted(set(re.findall(r"Missing operator: \[\d+\] ([\w:.]+)", native.text)))
             raise SpinQuantError(
-                f"{self.path}: this runtime lacks operators the program needs (see 'Missing operator' in the log "
-                "above); re-export with --ops portable"
-            ) from None
+                f"{self.path}: this runtime lacks operators the program needs ({', '.join(missing) or 'see -v'}); "
+                "re-export with --ops portable"
+            )
         self.max_seq_len = int(self._meta("get_max_seq_len", 128))
         # decode_<n> methods (see export.lower): one token attending to the cache's first n positions
         self.decode_windows = sorted(int(name[len(DECODE_PREFIX):]) for name in self.program.method_names

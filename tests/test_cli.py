@@ -125,3 +125,38 @@ def test_cli_default_context_matches_the_export_default():
     from spinquant_et.export import pipeline
 
     assert cli.DEFAULT_MAX_SEQ_LEN == pipeline.DEFAULT_MAX_SEQ_LEN
+
+
+def _readme_commands() -> list[list[str]]:
+    """Every `spinquant-et ...` command in README's fenced code blocks, as argv (after the program)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    commands = []
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in line.split("&&"):
+                words = shlex.split(part, comments=True)
+                if words and words[0].endswith("spinquant-et"):
+                    commands.append(words[1:])
+    return commands
+
+
+def test_readme_commands_parse_and_the_convert_example_runs(capsys, tiny_hf_dir, tmp_path, monkeypatch):
+    """README's commands use only flags that exist; its quantize -> convert example, whose float model
+    (the demo's) is swapped for the tiny one, runs as written."""
+    from spinquant_et.cli import build_parser
+
+    commands = _readme_commands()
+    assert {c[0] for c in commands} >= {"export", "generate", "quantize", "convert"}
+    for argv in commands:
+        build_parser().parse_args(argv)  # argparse exits on a flag that does not exist
+    monkeypatch.chdir(tmp_path)
+    for argv in (c for c in commands if c[0] in ("quantize", "convert")):
+        argv = [str(tiny_hf_dir["llama"]) if a == "smollm2-135m" else a for a in argv]
+        code, _, err = run(capsys, *argv)
+        assert code == 0, (argv, err)
+    assert (tmp_path / "meta" / "consolidated.00.pth").is_file()

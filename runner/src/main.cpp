@@ -2,15 +2,18 @@
 //
 //   spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt "..." [--chat]
 //                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads K]
-//                 [--ids] [--ignore-eos]
+//                 [--ids] [--ignore-eos] [--verbose]
 //   spinquant-run --tokenizer tokenizer.json --encode FILE     (prints the token ids of FILE)
 //
 // Prefill runs the whole prompt in one forward call, then one token per call; the KV cache lives
 // in the program's mutable buffers. Text streams to stdout; time to first token, prefill and
 // decode tokens/s and peak RSS go to stderr. Errors are one line on stderr and exit code 2.
+// ExecuTorch's own log lines (cpuinfo probes, "Missing operator") are kept back unless --verbose;
+// an error that they explain quotes them.
 
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/platform/platform.h>
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -52,9 +55,38 @@ struct Fail : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// ExecuTorch logs through its platform layer (PAL); ours prints with --verbose and otherwise keeps
+// the lines, so a user sees one error line, not the runtime's Info/Error chatter before it.
+bool g_verbose = false;
+std::vector<std::string> g_runtime_log;
+
+void emit_runtime_log(et_timestamp_t, et_pal_log_level_t level, const char* filename, const char*, size_t line,
+                      const char* message, size_t length) {
+  std::string text(message, length);
+  while (!text.empty() && text.back() == '\n') text.pop_back();
+  if (g_verbose) fprintf(stderr, "%c [%s:%zu] %s\n", static_cast<char>(level), filename, line, text.c_str());
+  if (g_runtime_log.size() < 10000) g_runtime_log.push_back(text);  // loading logs; decode does not
+}
+
+// "a, b" of the operators the runtime reported missing while loading.
+std::string missing_operators() {
+  const std::string key = "Missing operator: ";
+  std::set<std::string> names;
+  for (const auto& line : g_runtime_log) {
+    auto at = line.find(key);
+    if (at == std::string::npos) continue;
+    std::string rest = line.substr(at + key.size());
+    if (auto close = rest.find("] "); close != std::string::npos) rest = rest.substr(close + 2);
+    names.insert(rest);
+  }
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out.empty() ? "run with --verbose to see them" : out;
+}
+
 struct Args {
   std::string model, tokenizer, prompt, encode;
-  bool chat = false, ids = false, ignore_eos = false;
+  bool chat = false, ids = false, ignore_eos = false, verbose = false;
   int max_new_tokens = 128, threads = 2;
   double temperature = 0.0, top_p = 0.9;
   uint64_t seed = 0;
@@ -63,11 +95,11 @@ struct Args {
 const char* kUsage =
     "usage: spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt TEXT [--chat]\n"
     "                     [--max-new-tokens 128] [--temperature 0] [--top-p 0.9] [--seed 0] [--threads 2]\n"
-    "                     [--ids] [--ignore-eos]\n"
+    "                     [--ids] [--ignore-eos] [--verbose]\n"
     "       spinquant-run --tokenizer tokenizer.json --encode FILE\n"
     "--tokenizer defaults to tokenizer.json beside the .pte; --chat wraps the prompt in the chat\n"
     "template that `spinquant-et export` renders to chat.json beside it; --ids prints token ids\n"
-    "instead of text; temperature 0 is greedy.\n";
+    "instead of text; temperature 0 is greedy; --verbose shows ExecuTorch's own log lines.\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -85,6 +117,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--chat") a.chat = true;
       else if (k == "--ids") a.ids = true;
       else if (k == "--ignore-eos") a.ignore_eos = true;
+      else if (k == "--verbose" || k == "-v") a.verbose = g_verbose = true;
       else if (k == "--max-new-tokens") a.max_new_tokens = std::stoi(value());
       else if (k == "--threads") a.threads = std::stoi(value());
       else if (k == "--temperature") a.temperature = std::stod(value());
@@ -183,8 +216,8 @@ int run(const Args& a) {
   if (module.load() != Error::Ok) throw Fail(a.model + " is not an ExecuTorch program (corrupt or not a .pte); re-export it");
   Error err = module.load_method("forward");
   if (err == Error::OperatorMissing)
-    throw Fail(a.model + ": this runtime lacks operators the program needs (see 'Missing operator' above); "
-                         "re-export with --ops portable");
+    throw Fail(a.model + ": this runtime lacks operators the program needs (" + missing_operators() +
+               "); re-export with --ops portable");
   if (err != Error::Ok) throw Fail(a.model + ": cannot load its forward method (error " + std::to_string(int(err)) + ")");
   // decode_<n> methods (one token attending to the first n cache positions, the KV cache shared with
   // forward): each decode step takes the smallest one that holds the context so far.
@@ -274,6 +307,7 @@ int run(const Args& a) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  executorch::runtime::register_pal(executorch::runtime::PalImpl::create(emit_runtime_log, __FILE__));
   try {
     return run(parse(argc, argv));
   } catch (const std::exception& e) {

@@ -11,10 +11,12 @@ weights (stored once), so a runner prefills with ``forward`` and decodes each to
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ..errors import SpinQuantError
 from ..io import atomic_output_file
@@ -85,34 +87,102 @@ def export_program(model: Transformer, window: int | None = None):
         model.window = None
 
 
+class _Stages:
+    """One progress line over the stages of lowering (each method: export, decompose, partition; then
+    XNNPACK's preprocessing of all methods, the longest; then emit): ExecuTorch lowers every method in
+    one call, so its stages are reported from inside it."""
+
+    def __init__(self, total: int, progress: bool):
+        self.bar = tqdm(total=total, desc="lower", unit="stage", disable=not progress,
+                        bar_format="{desc}: {n}/{total} stages [{elapsed}] {postfix}")
+        self.started = False
+        self.done = threading.Event()
+        if progress:  # the elapsed time keeps moving through a stage of minutes
+            threading.Thread(target=self._tick, daemon=True).start()
+
+    def _tick(self) -> None:
+        while not self.done.wait(1.0):
+            self.bar.refresh()
+
+    def start(self, label: str) -> None:
+        if self.started:
+            self.bar.update(1)
+        self.started = True
+        self.bar.set_postfix_str(label)
+
+    def close(self, finished: bool = True) -> None:
+        self.done.set()
+        if finished:
+            self.bar.update(1)
+        self.bar.close()
+
+
+def _reporting_partitioner(method: str, stages: _Stages, last: bool):
+    """An ``XnnpackPartitioner`` for one method that marks where ExecuTorch is in lowering it: it is
+    asked which ops to keep (decomposition), then to partition; once the ``last`` method is
+    partitioned, XNNPACK preprocesses every method's partitions."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    class Reporting(XnnpackPartitioner):
+        decomposing = False
+
+        def ops_to_not_decompose(self, ep):
+            if not self.decomposing:
+                self.decomposing = True
+                stages.start(f"decompose {method}")
+            return super().ops_to_not_decompose(ep)
+
+        def partition(self, exported_program):
+            stages.start(f"partition {method}")
+            result = super().partition(exported_program)
+            if last:
+                stages.start("XNNPACK preprocess (all methods)")
+            return result
+
+    return Reporting()
+
+
 def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: bool = False,
-                 windows: list[int] | None = None) -> dict[str, float]:
+                 windows: list[int] | None = None, progress: bool = True) -> dict[str, float]:
     """Export ``forward`` (+ a ``decode_<n>`` method per window), lower to XNNPACK and write ``out``
     atomically. Returns seconds per phase."""
+    windows = check_windows(windows or [], model.args.max_seq_len)
+    names = ["forward"] + [f"{DECODE_PREFIX}{w}" for w in windows]
+    stages = _Stages(3 * len(names) + 2, progress)
+
+    times = {}
+    try:
+        _lower(model, out, metadata, force, windows, names, stages, times)
+    except BaseException:
+        stages.close(finished=False)
+        raise
+    log.debug("export %.1fs, lower %.1fs, serialize %.1fs", times["export"], times["lower"], times["serialize"])
+    return times
+
+
+def _lower(model, out, metadata, force, windows, names, stages, times) -> None:
     import executorch.kernels.quantized  # noqa: F401  (out-variants of the int8 KV cache's per-token ops)
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
     from executorch.exir.passes.sym_shape_eval_pass import ConstraintBasedSymShapeEvalPass
 
-    windows = check_windows(windows or [], model.args.max_seq_len)
-
-    times = {}
     with atomic_output_file(out, force) as tmp:
         t0 = time.perf_counter()
-        programs = {"forward": export_program(model)}
-        for w in windows:
-            programs[f"{DECODE_PREFIX}{w}"] = export_program(model, w)
+        programs = {}
+        for name, window in zip(names, [None, *windows], strict=True):
+            stages.start(f"export {name}")
+            programs[name] = export_program(model, window)
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         edge = to_edge_transform_and_lower(
             programs,
-            partitioner=[XnnpackPartitioner()],
+            partitioner={name: [_reporting_partitioner(name, stages, name == names[-1])] for name in names},
             constant_methods=metadata,
             compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
         )
         times["lower"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        stages.start("emit and write")
         et_program = edge.to_executorch(ExecutorchBackendConfig(
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
             run_reinplace_pass=True,  # KV cache writes in place, not a copy of the whole cache per token
@@ -122,5 +192,4 @@ def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: boo
         ))
         tmp.write_bytes(et_program.buffer)
         times["serialize"] = time.perf_counter() - t0
-    log.info("export %.1fs, lower %.1fs, serialize %.1fs", times["export"], times["lower"], times["serialize"])
-    return times
+        stages.close()

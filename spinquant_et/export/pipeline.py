@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpinQuantError
+from ..io import usual_mode
 from ..recipe import QuantRecipe
 from .build import build_transformer, check_exportable, check_ops
 from .lower import decode_windows, lower_to_pte, metadata_methods
@@ -47,23 +48,41 @@ def eos_ids(tokenizer, config) -> list[int]:
     return sorted(ids)
 
 
-def write_tokenizer(tokenizer, directory: Path) -> Path:
-    """tokenizer.json (+ tokenizer_config.json, chat template) next to the .pte, each replaced atomically."""
-    with tempfile.TemporaryDirectory(dir=directory, prefix=".tokenizer.") as tmp:
-        tokenizer.save_pretrained(tmp)
-        for f in Path(tmp).iterdir():
-            if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-                f.replace(directory / f.name)
-    path = directory / "tokenizer.json"
-    if not path.is_file():
+CHAT_FILE = "chat.json"
+# What export writes beside X.pte (the tokenizer's share is what save_pretrained writes, kept if present):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+                   "tokenizer.model", CHAT_FILE)
+
+
+def export_outputs(out: Path) -> list[Path]:
+    """Every file ``export`` may write for ``out``: the .pte, ``<stem>.recipe.json`` and the tokenizer
+    files (shared by every .pte in that folder)."""
+    return [out, out.parent / f"{out.stem}.recipe.json", *(out.parent / name for name in TOKENIZER_FILES)]
+
+
+def refuse_existing_outputs(out: Path, force: bool) -> None:
+    """A one-line error before any work if ``export`` would overwrite a file and ``force`` is off."""
+    existing = [p.name for p in export_outputs(out) if p.exists()]
+    if existing and not force:
+        raise SpinQuantError(f"{', '.join(existing)} already exist{'s' if len(existing) == 1 else ''} in "
+                             f"{out.parent}; pass --force to overwrite (export writes the .pte, its .recipe.json and "
+                             "the tokenizer files beside it), or choose another folder")
+
+
+def stage_tokenizer(tokenizer, directory: Path) -> None:
+    """Write the tokenizer files ``export`` ships into ``directory``: tokenizer.json (+ its config and
+    chat template as ``save_pretrained`` writes them) and chat.json for runners without Jinja."""
+    tokenizer.save_pretrained(directory)
+    for f in directory.iterdir():
+        if f.name not in TOKENIZER_FILES:
+            f.unlink()
+    if not (directory / "tokenizer.json").is_file():
         raise SpinQuantError("the tokenizer has no tokenizer.json form (a slow tokenizer?); ExecuTorch's runners need one")
     chat = chat_prefix_suffix(tokenizer)
     if chat:
         (directory / CHAT_FILE).write_text(json.dumps({"prefix": chat[0], "suffix": chat[1]}, indent=2))
-    return path
 
 
-CHAT_FILE = "chat.json"
 _PLACEHOLDER = "\x00PROMPT\x00"
 
 
@@ -85,10 +104,8 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
            windows: list[int] | None = None) -> ExportResult:
     """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``
     with a ``decode_<n>`` method per window (default: ``decode_windows(max_seq_len, ops)``; [] for none)."""
-    from ..io import refuse_existing
-
     out = Path(out)
-    refuse_existing(out, force)
+    refuse_existing_outputs(out, force)
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     path = Path(model)
@@ -113,8 +130,18 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     bos = tokenizer.bos_token_id
     windows = decode_windows(max_seq_len, ops) if windows is None else windows
     meta = metadata_methods(transformer, bos, eos_ids(tokenizer, config))
-    seconds.update(lower_to_pte(transformer, out, meta, force, windows))
-    tok_path = write_tokenizer(tokenizer, out.parent)
-    sidecar = {**json.loads(recipe.to_json()), "max_seq_len": max_seq_len, "ops": ops, "decode_windows": windows}
-    (out.parent / f"{out.stem}.recipe.json").write_text(json.dumps(sidecar, indent=2))
-    return ExportResult(out, tok_path, recipe, seconds)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.files.") as staging:
+        staging = Path(staging)
+        stage_tokenizer(tokenizer, staging)  # before the long lowering: a tokenizer problem fails fast
+        sidecar = {**json.loads(recipe.to_json()), "max_seq_len": max_seq_len, "ops": ops, "decode_windows": windows}
+        (staging / f"{out.stem}.recipe.json").write_text(json.dumps(sidecar, indent=2))
+        seconds.update(lower_to_pte(transformer, out, meta, force, windows))
+        written = {f.name for f in staging.iterdir()}
+        for f in staging.iterdir():
+            usual_mode(f)
+            f.replace(out.parent / f.name)
+    for stale in export_outputs(out)[2:]:  # with --force: a previous tokenizer's files this one lacks
+        if stale.name not in written and stale.exists():
+            stale.unlink()
+    return ExportResult(out, out.parent / "tokenizer.json", recipe, seconds)

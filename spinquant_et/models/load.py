@@ -140,6 +140,49 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> L
     return LoadedModel(model=model, tokenizer=tokenizer, arch=arch, source=spec)
 
 
+def load_config(spec: str | os.PathLike):
+    """The HF config of ``spec`` without its weights (seconds, not the half minute of loading them),
+    so flags that depend only on shapes are checked before any wait; None for a hub id (no network
+    probe here: loading it reports that)."""
+    from transformers import AutoConfig
+
+    spec = str(spec)
+    path = alias_path(spec) if spec in ALIASES else Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        _check_gguf(path)
+        where, kwargs = str(path.parent), {"gguf_file": path.name}
+    elif path.is_dir() and (path / "recipe.json").is_file():
+        from ..checkpoint import read_config
+
+        return read_config(path)
+    elif path.is_dir():
+        _check_hf_dir(path)
+        where, kwargs = str(path), {}
+    elif path.exists():
+        raise SpinQuantError(f"{path} is neither a model directory nor a .gguf file")
+    elif _looks_like_hub_id(spec):
+        return None
+    else:
+        raise SpinQuantError(
+            f"model not found: {spec} (pass an HF directory, a .gguf file, a hub id or one of: {', '.join(ALIASES)})"
+        )
+    try:
+        return AutoConfig.from_pretrained(where, **kwargs)
+    except Exception as e:  # transformers raises many types for a config it cannot use
+        first = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise SpinQuantError(f"could not read the config of {spec} ({first}); re-download the model") from None
+
+
+def config_input_dims(config) -> dict[str, int]:
+    """``{linear: in_features}`` of a decoder layer from its config (what a group size must divide)."""
+    arch = arch_for(config.model_type)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dims = {name: config.hidden_size for name in arch.residual_readers}
+    dims[arch.o] = config.num_attention_heads * head_dim
+    dims[arch.down] = config.intermediate_size
+    return dims
+
+
 def _looks_like_hub_id(spec: str) -> bool:
     parts = spec.split("/")
     return len(parts) == 2 and all(parts) and not spec.startswith((".", "/", "~")) and not spec.endswith((".gguf", ".json"))

@@ -20,6 +20,8 @@ def r2_key(layer: int) -> str:
 
 
 def _check_orthogonal(name: str, r: torch.Tensor, n: int) -> torch.Tensor:
+    if not isinstance(r, torch.Tensor):
+        raise SpinQuantError(f"R.bin: {name} is a {type(r).__name__}, not a tensor; expected the SpinQuant R.bin format")
     if tuple(r.shape) != (n, n):
         raise SpinQuantError(f"R.bin: {name} has shape {tuple(r.shape)}, expected ({n}, {n}) for this model")
     r = r.double()
