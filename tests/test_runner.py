@@ -4,6 +4,7 @@ gets one clear line and a non-zero exit."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -144,3 +145,13 @@ def test_a_program_with_llama_custom_ops_names_the_fix(runner_binary, tiny_hf_di
     assert "llama::" in lines[0]  # the operator ExecuTorch's (kept back) log names as missing
     verbose = run("--model", pte, "--prompt", "hi", "--verbose")
     assert "Missing operator" in verbose.stderr and verbose.stderr.splitlines()[-1] == lines[0]
+
+
+def test_build_without_an_executorch_python_is_one_line(tmp_path):
+    """build.sh takes $PYTHON, else .venv's, else the python on PATH; one that lacks executorch is
+    named with the fix, not a CMake error page."""
+    script = Path(__file__).parents[1] / "runner" / "build.sh"
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHON": "/bin/false"})
+    lines = r.stderr.splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "no Python with executorch found" in lines[0], r.stderr
