@@ -143,7 +143,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--calib-samples", type=int, default=16,
-                   help="GPTQ calibration windows of --seq-len tokens (default 16; the CLI's default is 32)")
+                   help="GPTQ calibration windows of --seq-len tokens (default 16; the CLI's default is 64)")
     p.add_argument("--pte-columns", default=DEFAULT_PTE_COLUMNS,
                    help=f"columns whose {PTE_ROW} cell also gets a .pte perplexity: comma-separated keys (none-rtn, "
                         "hadamard-rtn, hadamard-gptq, learned-rtn, learned-gptq), 'all' or 'none' (default: %(default)s; "

@@ -15,7 +15,9 @@ from spinquant_et.recipe import QuantRecipe
 from spinquant_et.runtime import PteModel, generate, pte_perplexity
 
 pytestmark = pytest.mark.e2e
-RECIPE = QuantRecipe()  # what `export` ships by default
+# what `export` ships by default, calibrated on half its 64 windows: CI time (GPTQ's calibration is
+# most of the export); the checks below hold either way (README measures the default itself)
+RECIPE = QuantRecipe(calib_samples=32)
 
 
 @pytest.fixture(scope="module")
