@@ -1,7 +1,8 @@
 """``convert``: our quantized checkpoint loads into ExecuTorch's own Llama model the way
 ``export_llama --preq_mode 8da4w_output_8da8w --preq_group_size 32 --preq_embedding_quantize 8,0
 --use_spin_quant native --use_kv_cache`` loads it, and that model computes what our exported
-program computes. ExecuTorch's model code is vendored in tests/third_party (the wheel lacks it)."""
+program computes. ExecuTorch's model code is the one the executorch wheel ships
+(``executorch.examples.models.llama``), and the last test runs its ``export_llama`` as README shows."""
 
 from __future__ import annotations
 
@@ -49,15 +50,17 @@ def converted(tmp_path_factory, tiny_tokenizer):
 def _executorch_model(meta_dir):
     """What export_llama's ``Llama2Model`` builds for the flags in the module docstring."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  (llama::fast_hadamard_transform)
-    from third_party.executorch_llama.llama_transformer import construct_transformer
-    from third_party.executorch_llama.model_args import ModelArgs
-    from third_party.executorch_llama.pre_quantization import (
+    from executorch.examples.models.llama.llama_transformer import construct_transformer
+    from executorch.examples.models.llama.model_args import ModelArgs
+    from executorch.examples.models.llama.source_transformation.pre_quantization import (
         sanitize_checkpoint_from_pre_quantization,
         transform_embedding_for_pre_quantization,
         transform_linear_for_pre_quantization,
         transform_output_linear_for_pre_quantization,
     )
-    from third_party.executorch_llama.spin_quant import inject_fast_hadamard_transform_native_for_spin_quant
+    from executorch.examples.models.llama.source_transformation.spin_quant import (
+        inject_fast_hadamard_transform_native_for_spin_quant,
+    )
 
     checkpoint = torch.load(meta_dir / CHECKPOINT, map_location="cpu", mmap=True, weights_only=True)
     assert next(iter(checkpoint.values())).is_floating_point()  # export_llama reads the dtype from the first key
@@ -151,37 +154,53 @@ def test_convert_refuses_r4_of_a_size_fast_hadamard_transform_gets_wrong(tiny_hf
         convert(ckpt, tmp_path / "meta")
 
 
-class _ForwardWithInputPos(torch.nn.Module):
-    """``forward(tokens, input_pos)``: the signature export_llama exports ExecuTorch's Transformer with."""
+def _readme_export_llama() -> list[str]:
+    """The ``export_llama`` command of README's convert section, as argv after the interpreter."""
+    import re
+    import shlex
+    from pathlib import Path
 
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, tokens, input_pos):
-        out = self.model(tokens, {"input_pos": input_pos})
-        return out[0] if isinstance(out, tuple) else out
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```bash\n(.*?)```", readme, flags=re.S) if "export_llama" in b)
+    line = next(li for li in block.replace("\\\n", " ").splitlines() if "export_llama" in li)
+    words = shlex.split(line)
+    return words[words.index("-m"):]
 
 
-def test_executorch_llama_model_of_the_converted_checkpoint_lowers_and_runs(converted, tmp_path):
-    """The last step of export_llama: lower ExecuTorch's model (XNNPACK, llama::fast_hadamard_transform
-    for R4) and run the .pte; it must agree with our own program's eager model. ~80 s of lowering."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+@pytest.fixture(scope="module")
+def unrotated(tmp_path_factory, tiny_tokenizer):
+    """README's demo path on a tiny Llama: ``quantize --rotation none`` then ``convert``."""
+    root = tmp_path_factory.mktemp("convert_none")
+    hf = _hf_dir(root, tiny_tokenizer, "llama")
+    ckpt, meta = root / "q", root / "meta"
+    assert main(["quantize", "--model", str(hf), "--rotation", "none", "--group-size", str(GROUP), "--w-method", "rtn",
+                 "--out", str(ckpt)]) == 0
+    assert main(["convert", str(ckpt), "--out", str(meta)]) == 0
+    return ckpt, meta
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["readme-demo-path", "rotated-spin-quant-native"])
+def test_export_llama_from_the_wheel_lowers_the_converted_checkpoint(converted, unrotated, rotated, tmp_path):
+    """ExecuTorch's own ``python -m executorch.examples.models.llama.export_llama``, run as README
+    shows it (for a rotated model with ``--use_spin_quant native --use_sdpa_with_kv_cache`` in place of
+    ``--use_qat``, as README says), writes a .pte that agrees with our own program's eager model. ~1 min of lowering each."""
+    import os
+    import subprocess
+    import sys
 
     from spinquant_et.runtime import PteModel
 
-    ckpt, meta = converted["llama"]
-    wrapped = _ForwardWithInputPos(_executorch_model(meta)).eval()
-    seq = torch.export.Dim("seq_len", min=1, max=MAX_SEQ - 1)
-    with torch.no_grad():
-        program = torch.export.export(wrapped, (torch.zeros(1, 4, dtype=torch.long), torch.tensor([0])),
-                                      dynamic_shapes=({1: seq}, None), strict=False)
-    edge = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()],
-                                       constant_methods={"get_max_seq_len": MAX_SEQ},
-                                       compile_config=EdgeCompileConfig(_check_ir_validity=False))
-    pte = tmp_path / "executorch_llama.pte"
-    pte.write_bytes(edge.to_executorch().buffer)
+    ckpt, meta = converted["llama"] if rotated else unrotated
+    argv = _readme_export_llama()
+    if rotated:  # README: "replace --use_qat by --use_spin_quant native --use_sdpa_with_kv_cache"
+        at = argv.index("--use_qat")
+        argv[at : at + 1] = ["--use_spin_quant", "native", "--use_sdpa_with_kv_cache"]
+    (tmp_path / "meta").symlink_to(meta)  # README's relative paths, from this working directory
+    pte = tmp_path / "export_llama.pte"
+    argv += ["--max_seq_length", str(MAX_SEQ), "--max_context_length", str(MAX_SEQ), "--output_name", str(pte)]
+    run = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0 and pte.is_file(), run.stderr[-3000:]
 
     tensors, config, arch, recipe, _ = _load_checkpoint_dir(ckpt)
     ours = build_transformer(tensors, config, arch, recipe, MAX_SEQ).eval()
