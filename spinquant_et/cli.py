@@ -62,7 +62,9 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
                    help="eager fake-quant only: quantize o_proj's input per head, as the SpinQuant reference does "
                    "(XNNPACK quantizes per token over all heads)")
     p.add_argument("--embedding-bits", type=_bits, default=d.embedding_bits, help="embedding bits, per row (default 8)")
-    p.add_argument("--lm-head-bits", type=_bits, default=d.lm_head_bits, help="lm_head bits, per row (default 8)")
+    p.add_argument("--lm-head-bits", type=_bits, default=d.lm_head_bits,
+                   help="lm_head bits: 8 per row, or below 8 in groups of --group-size (4 exports as 8da4w, as "
+                   "ExecuTorch's own 4-bit exports) (default 8)")
     p.add_argument("--w-method", choices=["rtn", "gptq"], default=d.w_method,
                    help="gptq: layer-by-layer error compensation on calibration text (SmolLM2 W4A8 .pte: 1.037x FP "
                    "perplexity; about 7 min on 2 cores for 135M); rtn: round to nearest with a per-group clipping "

@@ -199,6 +199,12 @@ def default_calibration(loaded: LoadedModel, recipe: QuantRecipe, text: str | No
     return calibration_windows(loaded.tokenizer, text, recipe.calib_seq_len, recipe.calib_samples, recipe.seed)
 
 
+def _head_groups(recipe: QuantRecipe) -> tuple[int, bool]:
+    """lm_head's (group size, clip search): int8 per row, or below 8 bits groupwise like the decoder
+    linears (8da4w, as ExecuTorch's own 4-bit exports quantize the output layer)."""
+    return (-1, False) if recipe.lm_head_bits >= 8 else (recipe.group_size, recipe.w_clip)
+
+
 @torch.no_grad()
 def quantize_weights(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = True,
                      calibration: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -211,7 +217,7 @@ def quantize_weights(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = 
         qtensors.update(gptq_quantize_layers(loaded, recipe, calibration, progress))
     else:
         targets = [(n, recipe.w_bits, recipe.group_size, recipe.w_clip) for n in linear_input_dims(loaded)]
-    targets += [(arch.embed, recipe.embedding_bits, -1, False), (arch.lm_head, recipe.lm_head_bits, -1, False)]
+    targets += [(arch.embed, recipe.embedding_bits, -1, False), (arch.lm_head, recipe.lm_head_bits, *_head_groups(recipe))]
     for name, bits, group_size, clip in tqdm(targets, desc="quantize weights", disable=not progress):
         if bits >= NO_QUANT:
             continue

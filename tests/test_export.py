@@ -262,3 +262,26 @@ def test_decode_windows_default_and_flag_errors(tiny_ckpt, tmp_path, capsys):
         assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(MAX_SEQ), *flags, "--out", str(out)]) == 2
         assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_int4_groupwise_lm_head_exports_and_matches_eager(tiny_hf_dir, tmp_path):
+    """--lm-head-bits 4: lm_head in int4 groups of --group-size, lowered as 8da4w like the decoder."""
+    from spinquant_et.runtime import PteModel
+
+    ckpt, out = tmp_path / "q", tmp_path / "head4.pte"
+    assert main(["quantize", "--model", str(tiny_hf_dir["llama"]), "--w-method", "rtn", "--lm-head-bits", "4",
+                 "--out", str(ckpt)]) == 0
+    tensors, *_ = _load_checkpoint_dir(ckpt)
+    head = tensors["lm_head.weight"]
+    assert tensors["lm_head.scales"].shape == (384, 96 // 32) and head.min() >= -8 and head.max() <= 7
+    assert main(["export", "--model", str(ckpt), "--max-seq-len", "32", "--decode-windows", "none",
+                 "--out", str(out)]) == 0
+    model, _ = _eager_transformer(ckpt)
+    x = torch.randint(0, 384, (12,), generator=torch.Generator().manual_seed(3)).tolist()
+    pte = PteModel(out)
+    with torch.no_grad():
+        ref = torch.stack([model(torch.tensor([x[:8]]), torch.tensor([0]))[0]]
+                          + [model(torch.tensor([[x[t]]]), torch.tensor([t]))[0] for t in range(8, 12)])
+    got = torch.stack([pte.forward(x[:8], 0)] + [pte.forward([x[t]], t) for t in range(8, 12)])
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03  # as test_pte_runs_and_matches_eager_export_model
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))

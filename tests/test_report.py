@@ -37,3 +37,11 @@ def test_report_writes_pngs(trained_tiny_dir, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     ratios = json.loads((out / "outliers.json").read_text())
     assert set(ratios) == {"no rotation", "random Hadamard"} and len(ratios["no rotation"]["down_proj input"]) == 2
+
+
+def test_report_writes_into_the_working_directory_not_the_repository_docs(tmp_path, monkeypatch):
+    """Run from the repository root, the default must not overwrite the committed docs/img plots."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "loss.json").write_text(json.dumps({"loss": [3.0, 2.9, 2.7], "config": {"lr": 1.5}}))
+    assert main(["report", "--loss", "loss.json"]) == 0
+    assert (tmp_path / "report" / "loss.png").is_file() and not (tmp_path / "docs").exists()

@@ -24,7 +24,7 @@ from .model import (
 
 
 def check_exportable(recipe: QuantRecipe) -> None:
-    """ExecuTorch/XNNPACK kernels exist for 8da4w linears and int8 lm_head/embeddings; say so otherwise."""
+    """ExecuTorch/XNNPACK kernels exist for 8da4w linears (lm_head too) and int8 lm_head/embeddings; say so otherwise."""
     problems = []
     if recipe.w_bits not in (4, NO_QUANT):
         problems.append(f"--w-bits {recipe.w_bits} (XNNPACK runs 4-bit groupwise weights, or 16 for float)")
@@ -40,9 +40,12 @@ def check_exportable(recipe: QuantRecipe) -> None:
         problems.append("--a-clip/--o-per-head (XNNPACK quantizes activations per token over their full range)")
     if recipe.k_clip != 1.0 or recipe.v_clip != 1.0:
         problems.append("--k-clip/--v-clip (the exported KV cache quantizes each token over its full range)")
-    for name in ("embedding_bits", "lm_head_bits"):
-        if getattr(recipe, name) not in (8, NO_QUANT):
-            problems.append(f"--{name.replace('_', '-')} {getattr(recipe, name)} (use 8 or 16)")
+    if recipe.embedding_bits not in (8, NO_QUANT):
+        problems.append(f"--embedding-bits {recipe.embedding_bits} (use 8 or 16)")
+    if recipe.lm_head_bits not in (4, 8, NO_QUANT):
+        problems.append(f"--lm-head-bits {recipe.lm_head_bits} (use 4, 8 or 16)")
+    if recipe.lm_head_bits == 4 and (recipe.group_size == -1 or recipe.group_size % 32):
+        problems.append(f"--lm-head-bits 4 with --group-size {recipe.group_size} (8da4w needs a multiple of 32)")
     if problems:
         raise SpinQuantError("not exportable to ExecuTorch: " + "; ".join(problems))
 
@@ -147,7 +150,10 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         embedding = Int8Embedding(emb_w, emb_s)
     head_w = _need(tensors, f"{arch.lm_head}.weight")
     head_s = tensors.get(f"{arch.lm_head}.scales")
-    output = Int8DynActInt8WeightLinear(head_w, head_s) if head_s is not None else make_linear(head_w, None, None)
+    if head_s is not None and head_s.shape[-1] == 1:  # int8 per row
+        output = Int8DynActInt8WeightLinear(head_w, head_s)
+    else:  # float, or int4 groupwise (--lm-head-bits 4): 8da4w like the decoder linears
+        output = make_linear(head_w, head_s, None)
     cos, sin = rope_tables(config, max_seq_len)
     model = Transformer(args, embedding, layers, output, cos, sin)
     model.norm = norm(arch.final_norm, args.dim)
