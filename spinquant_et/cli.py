@@ -66,13 +66,13 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
                    help="lm_head bits: 8 per row, or below 8 in groups of --group-size (4 exports as 8da4w, as "
                    "ExecuTorch's own 4-bit exports) (default 8)")
     p.add_argument("--w-method", choices=["rtn", "gptq"], default=d.w_method,
-                   help="gptq: layer-by-layer error compensation on calibration text (SmolLM2 W4A8 .pte: 1.037x FP "
-                   "perplexity; about 7 min on 2 cores for 135M); rtn: round to nearest with a per-group clipping "
+                   help="gptq: layer-by-layer error compensation on calibration text (SmolLM2 W4A8 .pte: 1.017x FP "
+                   "perplexity; about 12 min on 2 cores for 135M); rtn: round to nearest with a per-group clipping "
                    f"search unless --no-clip (seconds, but 1.61x FP perplexity); same integer layout (default {d.w_method})")
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing Hessian diagonal")
     p.add_argument("--gptq-target", choices=["float", "layer"], default=d.gptq_target,
                    help="GPTQ: float: match the float model's outputs, so each layer also corrects the error its "
-                   "inputs carry from earlier layers (GPTAQ; SmolLM2 W4A8 eager: 1.033x FP perplexity, ~1.5x the time); "
+                   "inputs carry from earlier layers (GPTAQ; SmolLM2 W4A8 eager, 32 windows: 1.033x FP perplexity, ~1.5x the time); "
                    "layer: match the layer's own float weights on its quantized inputs (classic GPTQ, 1.050x) "
                    f"(default {d.gptq_target})")
     p.add_argument("--calib-text", help="GPTQ calibration text: a UTF-8 file, 'wikitext2' (needs datasets and a hub), "
