@@ -72,7 +72,7 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-order", action="store_true", help="GPTQ: visit columns by decreasing Hessian diagonal")
     p.add_argument("--gptq-target", choices=["float", "layer"], default=d.gptq_target,
                    help="GPTQ: float: match the float model's outputs, so each layer also corrects the error its "
-                   "inputs carry from earlier layers (GPTAQ; SmolLM2 W4A8 eager, 32 windows: 1.033x FP perplexity, ~1.5x the time); "
+                   "inputs carry from earlier layers (GPTAQ; SmolLM2 W4A8 eager, 32 windows: 1.033x FP, ~1.5x the time); "
                    "layer: match the layer's own float weights on its quantized inputs (classic GPTQ, 1.050x) "
                    f"(default {d.gptq_target})")
     p.add_argument("--calib-text", help="GPTQ calibration text: a UTF-8 file, 'wikitext2' (needs datasets and a hub), "
