@@ -12,7 +12,7 @@ import importlib.metadata
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,32 +94,51 @@ def _load_tokenizer(where: str, **kw):
         ) from None
 
 
+@dataclass(frozen=True)
+class _Source:
+    """Where a model spec points: ``checkpoint`` (a quantized directory, at ``path``), or what
+    transformers loads from ``where`` with ``kwargs`` (``gguf_file`` for a .gguf; a hub id when
+    ``hub``), after the checks that need no weights."""
+
+    path: Path
+    checkpoint: bool = False
+    where: str = ""
+    kwargs: dict = field(default_factory=dict)
+    hub: bool = False
+
+
+def _resolve(spec: str) -> _Source:
+    path = alias_path(spec) if spec in ALIASES else Path(spec)
+    if path.is_dir() and (path / "recipe.json").is_file():
+        return _Source(path, checkpoint=True)
+    if path.is_file() and path.suffix == ".gguf":
+        _check_gguf(path)
+        return _Source(path, where=str(path.parent), kwargs={"gguf_file": path.name})
+    if path.is_dir():
+        _check_hf_dir(path)
+        return _Source(path, where=str(path))
+    if path.exists():
+        raise SpinQuantError(f"{path} is neither a model directory nor a .gguf file")
+    if _looks_like_hub_id(spec):
+        return _Source(path, where=spec, hub=True)
+    raise SpinQuantError(
+        f"model not found: {spec} (pass an HF directory, a .gguf file, a hub id or one of: {', '.join(ALIASES)})"
+    )
+
+
 def load_model(spec: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load ``spec`` (HF dir, .gguf, quantized checkpoint dir, hub id or alias) as an untied model."""
     from transformers import AutoModelForCausalLM
 
     spec = str(spec)
-    path = alias_path(spec) if spec in ALIASES else Path(spec)
-    kwargs: dict[str, Any] = {"dtype": dtype}
-    if path.is_dir() and (path / "recipe.json").is_file():
+    source = _resolve(spec)
+    path = source.path
+    if source.checkpoint:
         from ..checkpoint import load_quantized
 
         return load_quantized(path)
-    if path.is_file() and path.suffix == ".gguf":
-        where, kwargs["gguf_file"] = str(path.parent), path.name
-        tok_kwargs = {"gguf_file": path.name}
-        _check_gguf(path)
-    elif path.is_dir():
-        _check_hf_dir(path)
-        where, tok_kwargs = str(path), {}
-    elif path.exists():
-        raise SpinQuantError(f"{path} is neither a model directory nor a .gguf file")
-    elif _looks_like_hub_id(spec):
-        where, tok_kwargs = spec, {}
-    else:
-        raise SpinQuantError(
-            f"model not found: {spec} (pass an HF directory, a .gguf file, a hub id or one of: {', '.join(ALIASES)})"
-        )
+    where, tok_kwargs = source.where, dict(source.kwargs)
+    kwargs: dict[str, Any] = {"dtype": dtype, **source.kwargs}
     log.info("loading %s", spec)
     try:
         model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
@@ -147,25 +166,14 @@ def load_config(spec: str | os.PathLike):
     from transformers import AutoConfig
 
     spec = str(spec)
-    path = alias_path(spec) if spec in ALIASES else Path(spec)
-    if path.is_file() and path.suffix == ".gguf":
-        _check_gguf(path)
-        where, kwargs = str(path.parent), {"gguf_file": path.name}
-    elif path.is_dir() and (path / "recipe.json").is_file():
+    source = _resolve(spec)
+    if source.checkpoint:
         from ..checkpoint import read_config
 
-        return read_config(path)
-    elif path.is_dir():
-        _check_hf_dir(path)
-        where, kwargs = str(path), {}
-    elif path.exists():
-        raise SpinQuantError(f"{path} is neither a model directory nor a .gguf file")
-    elif _looks_like_hub_id(spec):
+        return read_config(source.path)
+    if source.hub:
         return None
-    else:
-        raise SpinQuantError(
-            f"model not found: {spec} (pass an HF directory, a .gguf file, a hub id or one of: {', '.join(ALIASES)})"
-        )
+    where, kwargs = source.where, source.kwargs
     try:
         return AutoConfig.from_pretrained(where, **kwargs)
     except Exception as e:  # transformers raises many types for a config it cannot use
