@@ -17,6 +17,7 @@ log = logging.getLogger("spinquant_et")
 
 DEFAULT_MAX_SEQ_LEN = 512  # = spinquant_et.export.pipeline.DEFAULT_MAX_SEQ_LEN (not imported: it pulls in torch)
 
+VERBOSE_HELP = "debug logging, and the warnings and logs of torch, transformers and ExecuTorch (hidden by default)"
 MODEL_HELP = (
     "an HF model directory, a .gguf file, a quantized checkpoint directory (from `quantize`), "
     "a hub id (needs network) or the built-in alias smollm2-135m"
@@ -99,12 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="spinquant-et",
         description="Rotate (SpinQuant/QuaRot), quantize and evaluate Llama-family models for ExecuTorch.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help="debug logging, and the warnings and logs of torch, transformers and ExecuTorch (hidden by default)")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     verbose = argparse.ArgumentParser(add_help=False)  # -v also after the command (default: the one before it)
-    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                         help="debug logging, and the warnings and logs of torch, transformers and ExecuTorch")
+    verbose.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
 
     q = sub.add_parser("quantize", parents=[verbose], help="fuse norms, rotate, quantize weights; write a checkpoint directory",
                        description="Fuse RMSNorms, rotate (R1/R2 offline, R3/R4 online), quantize weights with "

@@ -86,7 +86,7 @@ std::string missing_operators() {
 
 struct Args {
   std::string model, tokenizer, prompt, encode;
-  bool chat = false, ids = false, ignore_eos = false, verbose = false;
+  bool chat = false, ids = false, ignore_eos = false;
   int max_new_tokens = 128, threads = 2;
   double temperature = 0.0, top_p = 0.9;
   uint64_t seed = 0;
@@ -117,7 +117,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--chat") a.chat = true;
       else if (k == "--ids") a.ids = true;
       else if (k == "--ignore-eos") a.ignore_eos = true;
-      else if (k == "--verbose" || k == "-v") a.verbose = g_verbose = true;
+      else if (k == "--verbose" || k == "-v") g_verbose = true;  // read by the log handler
       else if (k == "--max-new-tokens") a.max_new_tokens = std::stoi(value());
       else if (k == "--threads") a.threads = std::stoi(value());
       else if (k == "--temperature") a.temperature = std::stod(value());
