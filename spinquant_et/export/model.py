@@ -329,8 +329,6 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("cos", cos, persistent=False)  # [max_seq, head_dim]
         self.register_buffer("sin", sin, persistent=False)
-        causal = torch.full((args.max_seq_len, args.max_seq_len), float("-inf")).triu(1)
-        self.register_buffer("mask", causal, persistent=False)
         # When set (an int), ``forward`` attends to the cache's first ``window`` positions only: a decode
         # method exported with it has static shapes and costs what the filled context costs.
         self.window: int | None = None
@@ -339,7 +337,9 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         pos = input_pos[0] + torch.arange(t, dtype=torch.long)
         cos, sin = self.cos[pos], self.sin[pos]
-        mask = self.mask[pos] if self.window is None else self.mask[pos, : self.window]
+        # The causal mask is computed, not stored: a [max_seq, max_seq] constant would be 16 MB at 2048.
+        cols = torch.arange(self.args.max_seq_len if self.window is None else self.window)
+        mask = torch.where(cols[None, :] <= pos[:, None], 0.0, float("-inf"))
         mask = mask.repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # rows match the GQA fold
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
