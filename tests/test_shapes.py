@@ -1,0 +1,88 @@
+"""Deployment-size shapes (scripts/make_model.py) on 2-layer cuts: full widths, head counts, RoPE
+scaling, biases and tying of each published config, with the vocabulary cut to 512 rows so a test
+takes seconds (the vocabulary only sizes the embedding and lm_head matrices; the full sizes are
+benchmarks, not tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from spinquant_et.models.arch import arch_for
+from spinquant_et.models.load import LoadedModel, untie_embeddings
+from spinquant_et.quantize import quantize
+from spinquant_et.recipe import QuantRecipe
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("make_model", ROOT / "scripts" / "make_model.py")
+make_model = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(make_model)
+
+VOCAB = 512
+FLOAT = dict(w_bits=16, a_bits=16, kv_bits=16, embedding_bits=16, lm_head_bits=16)
+
+
+# The 8B shape's rotation is float64 matmuls of 4096 x 14336 weights: one layer keeps it near 30 s.
+LAYERS = {"llama-3.1-8b": 1}
+
+
+def cut(like: str, seed: int = 0) -> LoadedModel:
+    """A 2-layer cut of ``like`` with transformers' initialisation, its norms and biases perturbed
+    so that fusing them into the linears is really tested (they start at exactly 1 and 0)."""
+    from transformers import AutoModelForCausalLM
+
+    config = make_model.make_config(like, layers=LAYERS.get(like, 2))
+    config.vocab_size = VOCAB
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.5 * torch.rand_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    untie_embeddings(model)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model=model, tokenizer=None, arch=arch_for(config.model_type), source=f"{like}-cut")
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_configs_are_the_published_shapes():
+    c = make_model.make_config("llama-3.2-1b")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (2048, 16, 32, 8)
+    assert c.rope_parameters["rope_type"] == "llama3" and c.rope_parameters["factor"] == 32.0
+    assert c.tie_word_embeddings and c.vocab_size == 128256
+    q = make_model.make_config("qwen2.5-1.5b")
+    assert (q.hidden_size, q.intermediate_size, q.num_key_value_heads, q.vocab_size) == (1536, 8960, 2, 151936)
+    e = make_model.make_config("llama-3.1-8b")
+    assert not e.tie_word_embeddings and e.head_dim == 128 and e.rope_parameters["factor"] == 8.0
+
+
+@pytest.mark.parametrize("like", sorted(make_model.SHAPES))
+def test_rotation_leaves_the_float_model_unchanged(like):
+    loaded = cut(like)
+    x = torch.randint(0, VOCAB, (1, 64))
+    ref = loaded.model(x).logits
+    quantize(loaded, QuantRecipe(rotation="hadamard", **FLOAT), progress=False)
+    assert rel_err(loaded.model(x).logits, ref) < 1e-4
+
+
+def test_make_model_writes_shards_that_load(tmp_path, tiny_tokenizer):
+    """Shards, index and tokenizer; the weights are transformers' initial values, seeded per module."""
+    from transformers import AutoModelForCausalLM
+
+    out = make_model.write_model("qwen2.5-1.5b", tmp_path / "qwen", layers=1, tokenizer=tiny_tokenizer,
+                                 shard_bytes=64 << 20, progress=False)
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and not list(out.glob(".*tmp"))
+    m = AutoModelForCausalLM.from_pretrained(out)
+    assert m.config.num_hidden_layers == 1 and m.config.eos_token_id == tiny_tokenizer.eos_token_id
+    w = m.model.layers[0].mlp.down_proj.weight
+    assert abs(w.std().item() - 0.02) < 1e-3 and m.model.layers[0].self_attn.q_proj.bias is not None
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()  # tied, stored once
