@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny import perturb_norms_and_biases
 
 from spinquant_et.models.arch import arch_for
 from spinquant_et.models.load import LoadedModel, untie_embeddings
@@ -30,20 +31,14 @@ LAYERS = {"llama-3.1-8b": 1}
 
 
 def cut(like: str, seed: int = 0, layers: int | None = None) -> LoadedModel:
-    """A 2-layer cut of ``like`` with transformers' initialisation, its norms and biases perturbed
-    so that fusing them into the linears is really tested (they start at exactly 1 and 0)."""
+    """A 2-layer cut of ``like`` with transformers' initialisation, norms and biases perturbed."""
     from transformers import AutoModelForCausalLM
 
     config = make_model.make_config(like, layers=layers or LAYERS.get(like, 2))
     config.vocab_size = VOCAB
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.5 * torch.rand_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
+    perturb_norms_and_biases(model)
     untie_embeddings(model)
     model.eval().requires_grad_(False)
     return LoadedModel(model=model, tokenizer=None, arch=arch_for(config.model_type), source=f"{like}-cut")

@@ -22,18 +22,24 @@ def tiny_config(model_type: str, tie: bool = False, **overrides):
     return cls(**{**COMMON, **overrides}, tie_word_embeddings=tie)
 
 
-def tiny_model(model_type: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> LoadedModel:
-    """A random model whose norms and biases are non-trivial, so fusion and rotation are really tested."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tie, **overrides), dtype=torch.float32)
+def perturb_norms_and_biases(model: torch.nn.Module) -> None:
+    """Norms away from 1 and biases away from 0 (transformers initialises them to exactly that), so
+    that fusing them into the linears is really tested."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.5 * torch.rand_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+
+
+def tiny_model(model_type: str = "llama", tie: bool = False, seed: int = 0, **overrides) -> LoadedModel:
+    """A random model whose norms and biases are non-trivial, so fusion and rotation are really tested."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tie, **overrides), dtype=torch.float32)
+    perturb_norms_and_biases(model)
     if tie:
         model.tie_weights()
     model.eval().requires_grad_(False)
