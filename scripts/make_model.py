@@ -96,38 +96,30 @@ def write_model(like: str, out: Path, dtype: torch.dtype = torch.float32, layers
     out.mkdir(parents=True, exist_ok=True)
     tied = bool(config.tie_word_embeddings)
     modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-    shards: list[dict[str, torch.Tensor]] = [{}]
     prefixes = {id(m): n for n, m in model.named_modules()}
-    written, tmp_files = [], []
-    size = 0
+    shard: dict[str, torch.Tensor] = {}
+    written: list[tuple[Path, list[str]]] = []  # (temporary file, tensor names) per shard
 
     def flush():
-        nonlocal size
-        if not shards[-1]:
-            return
-        k = len(written) + 1
-        tmp = out / f".model-{k:05d}.safetensors.tmp"
-        save_file(shards[-1], str(tmp), metadata={"format": "pt"})
-        tmp_files.append(tmp)
-        written.append(list(shards[-1]))
-        shards[-1] = {}
-        size = 0
+        if shard:
+            tmp = out / f".model-{len(written) + 1:05d}.safetensors.tmp"
+            save_file(shard, str(tmp), metadata={"format": "pt"})
+            written.append((tmp, list(shard)))
+            shard.clear()
 
     for i, module in enumerate(tqdm(modules, desc=f"writing {like}", unit="module", disable=not progress)):
         if tied and module is model.get_output_embeddings():
             continue
         _materialise(model, module, dtype, seed, i)
         for local, p in module.named_parameters(recurse=False):
-            shards[-1][f"{prefixes[id(module)]}.{local}"] = p.detach().contiguous()
-            size += p.numel() * p.element_size()
+            shard[f"{prefixes[id(module)]}.{local}"] = p.detach().contiguous()
         module.to("meta")  # release: peak memory is one shard plus one module
-        if size >= shard_bytes:
+        if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
             flush()
     flush()
-    n = len(written)
     weight_map, total = {}, 0
-    for k, (tmp, keys) in enumerate(zip(tmp_files, written, strict=True), 1):
-        final = out / f"model-{k:05d}-of-{n:05d}.safetensors"
+    for k, (tmp, keys) in enumerate(written, 1):
+        final = out / f"model-{k:05d}-of-{len(written):05d}.safetensors"
         os.replace(tmp, final)
         usual_mode(final)
         total += final.stat().st_size
