@@ -16,8 +16,6 @@ with the index last, so an interrupted run never leaves a directory that loads.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -80,12 +78,11 @@ def write_model(like: str, out: Path, dtype: torch.dtype = torch.float32, layers
                 progress: bool = True, tokenizer=None) -> Path:
     """Write ``like`` (random weights) to ``out`` as sharded safetensors + config + tokenizer
     (``tokenizer``, or the one of model spec ``tokenizer_spec``)."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
-    from spinquant_et.io import usual_mode
     from spinquant_et.models.load import _load_tokenizer, _resolve
+    from spinquant_et.shards import ShardWriter
 
     if tokenizer is None:
         source = _resolve(tokenizer_spec)
@@ -97,39 +94,16 @@ def write_model(like: str, out: Path, dtype: torch.dtype = torch.float32, layers
     tied = bool(config.tie_word_embeddings)
     modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     prefixes = {id(m): n for n, m in model.named_modules()}
-    shard: dict[str, torch.Tensor] = {}
-    written: list[tuple[Path, list[str]]] = []  # (temporary file, tensor names) per shard
-
-    def flush():
-        if shard:
-            tmp = out / f".model-{len(written) + 1:05d}.safetensors.tmp"
-            save_file(shard, str(tmp), metadata={"format": "pt"})
-            written.append((tmp, list(shard)))
-            shard.clear()
-
-    for i, module in enumerate(tqdm(modules, desc=f"writing {like}", unit="module", disable=not progress)):
-        if tied and module is model.get_output_embeddings():
-            continue
-        _materialise(model, module, dtype, seed, i)
-        for local, p in module.named_parameters(recurse=False):
-            shard[f"{prefixes[id(module)]}.{local}"] = p.detach().contiguous()
-        module.to("meta")  # release: peak memory is one shard plus one module
-        if sum(t.numel() * t.element_size() for t in shard.values()) >= shard_bytes:
-            flush()
-    flush()
-    weight_map, total = {}, 0
-    for k, (tmp, keys) in enumerate(written, 1):
-        final = out / f"model-{k:05d}-of-{len(written):05d}.safetensors"
-        os.replace(tmp, final)
-        usual_mode(final)
-        total += final.stat().st_size
-        weight_map.update({key: final.name for key in keys})
+    with ShardWriter(out, shard_bytes) as writer:  # temporary shard names; renamed with the index last
+        for i, module in enumerate(tqdm(modules, desc=f"writing {like}", unit="module", disable=not progress)):
+            if tied and module is model.get_output_embeddings():
+                continue
+            _materialise(model, module, dtype, seed, i)
+            for local, p in module.named_parameters(recurse=False):
+                writer.add(f"{prefixes[id(module)]}.{local}", p)
+            module.to("meta")  # release: peak memory is one shard plus one module
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    index = out / "model.safetensors.index.json"
-    tmp = index.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    os.replace(tmp, index)
     return out
 
 

@@ -3,7 +3,8 @@
 Layout (HF names, so ``config.json`` rebuilds the module):
   model.safetensors   quantized linears/embeddings: ``<name>.weight`` int8 (values in the int-b
                       range) and ``<name>.scales`` fp32 ``[out, in / group_size]``; every other
-                      tensor (fused norms = 1, biases) in float32
+                      tensor (fused norms = 1, biases) in float32 (a model quantized layer by
+                      layer, ``spinquant_et.stream``, may write shards + ``model.safetensors.index.json``)
   config.json         the HF config (untied embeddings)
   recipe.json         the QuantRecipe (rotation, bits, group size, ...)
   tokenizer files     as ``tokenizer.save_pretrained`` writes them
@@ -68,10 +69,14 @@ def read_checkpoint(path: str | Path):
     recipe = read_recipe(path)
     config = read_config(path)
     arch = arch_for(config.model_type)
-    try:
-        tensors = load_file(str(path / WEIGHTS))
-    except (SafetensorError, FileNotFoundError, OSError) as e:
-        raise SpinQuantError(f"cannot read {path / WEIGHTS} ({e}); re-run quantize") from None
+    from .shards import weight_map
+
+    tensors = {}
+    for shard in sorted(set(weight_map(path, "re-run quantize").values())):
+        try:
+            tensors.update(load_file(str(path / shard)))
+        except (SafetensorError, FileNotFoundError, OSError) as e:
+            raise SpinQuantError(f"cannot read {path / shard} ({e}); re-run quantize") from None
     return tensors, config, arch, recipe
 
 

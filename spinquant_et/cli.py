@@ -189,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--clip-every", type=int, default=20,
                    help="with --w-bits < 16: steps between searches of each weight group's clip ratio (a search costs "
                    "~4 steps on CPU; in between the ratios are applied to the current weights) (default 20)")
+    o.add_argument("--a-clip", type=float, default=1.0,
+                   help="activation clip ratio during training: use the target recipe's quantize --a-clip (default 1.0)")
+    o.add_argument("--k-clip", type=float, default=1.0, help="K clip ratio during training, as quantize --k-clip (default 1.0)")
+    o.add_argument("--v-clip", type=float, default=1.0, help="V clip ratio during training, as quantize --v-clip (default 1.0)")
+    o.add_argument("--o-per-head", action="store_true",
+                   help="quantize o_proj's input per head during training, as quantize --o-per-head")
     o.add_argument("--seed", type=int, default=0, help="seed of the initial Hadamards and of the batches (default 0)")
     o.add_argument("--device", default="auto", help="cpu, cuda or auto: cuda when available (default auto)")
     o.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints (default 10)")
@@ -271,14 +277,18 @@ def cmd_quantize(args) -> int:
     from .io import refuse_existing
     from .models import load_model
     from .quantize import quantize
+    from .stream import can_stream, quantize_streaming
 
     recipe = _recipe(args)
     refuse_existing(Path(args.out), args.force)  # before minutes of work, not after
     _preflight(args, recipe)
     t0 = time.perf_counter()
-    loaded = load_model(args.model)
-    qm = quantize(loaded, recipe, calib_text=args.calib_text)
-    out = save_quantized(qm, args.out, force=args.force)
+    if can_stream(args.model):  # an HF safetensors directory: one decoder layer in memory at a time
+        out = quantize_streaming(args.model, recipe, args.out, force=args.force, calib_text=args.calib_text)
+    else:
+        loaded = load_model(args.model)
+        qm = quantize(loaded, recipe, calib_text=args.calib_text)
+        out = save_quantized(qm, args.out, force=args.force)
     print(f"wrote {out} ({recipe.label()}) in {time.perf_counter() - t0:.1f}s")
     return 0
 
@@ -433,7 +443,8 @@ def cmd_optimize(args) -> int:
         cfg = OptimizeConfig(a_bits=args.a_bits, kv_bits=args.kv_bits, w_bits=args.w_bits, group_size=args.group_size,
                              steps=args.steps, lr=args.lr, batch_size=args.batch_size, seed=args.seed,
                              checkpoint_every=args.checkpoint_every, loss=args.loss, grad_clip=args.grad_clip,
-                             clip_every=args.clip_every,
+                             clip_every=args.clip_every, a_clip=args.a_clip, k_clip=args.k_clip,
+                             v_clip=args.v_clip, o_per_head=args.o_per_head,
                              bf16=_bf16_default(args.device) if args.bf16 is None else args.bf16)
         loaded = load_model(args.model)
         samples = calibration_windows(loaded.tokenizer, args.calib_text, args.seq_len, args.samples, args.seed)

@@ -48,18 +48,22 @@ def linear_input_dims(loaded: LoadedModel) -> dict[str, int]:
     }
 
 
+def recipe_rotations(recipe: QuantRecipe, config) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """R1 and the per-layer R2 of a rotated recipe: the seed's random Hadamards, or its R.bin's."""
+    if recipe.rotation == "hadamard":
+        return random_rotations(config, recipe.seed)
+    from .rotation.io import load_rotations
+
+    return load_rotations(recipe.rotation, config)
+
+
 def rotate(loaded: LoadedModel, recipe: QuantRecipe) -> None:
     """Untie, fuse norms and apply the recipe's offline rotations (R1, R2, R4's weight side) in place."""
     untie_embeddings(loaded.model)  # before anything: R1 must not hit a shared tensor twice
     fuse_norms(loaded.model, loaded.arch)
     if not recipe.rotated:
         return
-    if recipe.rotation == "hadamard":
-        r1, r2 = random_rotations(loaded.model.config, recipe.seed)
-    else:
-        from .rotation.io import load_rotations
-
-        r1, r2 = load_rotations(recipe.rotation, loaded.model.config)
+    r1, r2 = recipe_rotations(recipe, loaded.model.config)
     rotate_model(loaded.model, loaded.arch, r1, r2, r4=True)
 
 
@@ -159,12 +163,16 @@ def _float_copy(layer):
 
 @torch.no_grad()
 def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: torch.Tensor,
-                         progress: bool = True) -> dict[str, torch.Tensor]:
+                         progress: bool = True, before_layer=None, after_layer=None) -> dict[str, torch.Tensor]:
     """GPTQ every decoder linear, layer by layer and, inside a layer, in dependency order (q/k/v, o,
     gate/up, down): each Hessian comes from inputs computed with everything before already quantized,
     activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run).
     With ``recipe.gptq_target == "float"`` a float twin of each layer runs on the float model's inputs
-    beside it, and GPTQ aims at the float outputs (``quant.gptq.float_target``)."""
+    beside it, and GPTQ aims at the float outputs (``quant.gptq.float_target``).
+
+    ``before_layer(i, layer)`` and ``after_layer(i, layer, qtensors)`` let a caller hold one layer at a
+    time (``stream``): the first gives layer ``i`` its rotated weights, the second takes its integers
+    (the returned dict then holds only what ``after_layer`` left in it)."""
     from .quant.gptq import float_target, gptq_quantize
 
     arch = loaded.arch
@@ -174,6 +182,8 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
     qtensors: dict[str, torch.Tensor] = {}
     steps = ((arch.q, arch.k, arch.v), (arch.o,), (arch.gate, arch.up), (arch.down,))  # each: one shared input
     for i, layer in enumerate(tqdm(layers, desc="GPTQ layers", disable=not progress)):
+        if before_layer is not None:
+            before_layer(i, layer)
         float_layer = _float_copy(layer) if float_inputs is not None else None
         for names in steps:
             h, cross = _hessian(layer, names[0], inputs, float_layer, float_inputs)
@@ -186,6 +196,9 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
         inputs = [((_run_layer(layer, args, kwargs), *args[1:]), kwargs) for args, kwargs in inputs]
         if float_inputs is not None:
             float_inputs = [((_run_layer(float_layer, args, kwargs), *args[1:]), kwargs) for args, kwargs in float_inputs]
+        del float_layer
+        if after_layer is not None:
+            after_layer(i, layer, qtensors)
     return qtensors
 
 
@@ -199,7 +212,7 @@ def default_calibration(loaded: LoadedModel, recipe: QuantRecipe, text: str | No
     return calibration_windows(loaded.tokenizer, text, recipe.calib_seq_len, recipe.calib_samples, recipe.seed)
 
 
-def _head_groups(recipe: QuantRecipe) -> tuple[int, bool]:
+def head_groups(recipe: QuantRecipe) -> tuple[int, bool]:
     """lm_head's (group size, clip search): int8 per row, or below 8 bits groupwise like the decoder
     linears (8da4w, as ExecuTorch's own 4-bit exports quantize the output layer)."""
     return (-1, False) if recipe.lm_head_bits >= 8 else (recipe.group_size, recipe.w_clip)
@@ -217,17 +230,18 @@ def quantize_weights(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = 
         qtensors.update(gptq_quantize_layers(loaded, recipe, calibration, progress))
     else:
         targets = [(n, recipe.w_bits, recipe.group_size, recipe.w_clip) for n in linear_input_dims(loaded)]
-    targets += [(arch.embed, recipe.embedding_bits, -1, False), (arch.lm_head, recipe.lm_head_bits, *_head_groups(recipe))]
+    targets += [(arch.embed, recipe.embedding_bits, -1, False), (arch.lm_head, recipe.lm_head_bits, *head_groups(recipe))]
     for name, bits, group_size, clip in tqdm(targets, desc="quantize weights", disable=not progress):
         if bits >= NO_QUANT:
             continue
         module = model.get_submodule(name)
-        if clip:
-            q, scales = rtn_quantize(module.weight, bits, group_size, clip=True)
-        else:
-            q, scales = quantize_weight(module.weight, bits, group_size)
-        _store(module, name, q, scales, qtensors)
+        _store(module, name, *rtn_weight(module.weight, bits, group_size, clip), qtensors)
     return qtensors
+
+
+def rtn_weight(w: torch.Tensor, bits: int, group_size: int, clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)`` by round-to-nearest: with the clipping search, or max-abs scales."""
+    return rtn_quantize(w, bits, group_size, clip=True) if clip else quantize_weight(w, bits, group_size)
 
 
 def quantize(loaded: LoadedModel, recipe: QuantRecipe, progress: bool = True,

@@ -109,8 +109,20 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     seconds: dict[str, float] = {}
     t0 = time.perf_counter()
     path = Path(model)
+    from ..stream import can_stream
+
     if path.is_dir() and (path / "recipe.json").is_file():
         tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(path)
+    elif can_stream(path):  # an HF safetensors directory: quantized one decoder layer at a time
+        from ..stream import quantize_streaming
+
+        recipe = recipe or QuantRecipe()
+        check_exportable(recipe)
+        check_ops(ops, recipe)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.checkpoint.") as staging:
+            ckpt = quantize_streaming(path, recipe, Path(staging) / "checkpoint", calib_text=calib_text)
+            tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(ckpt)
     else:
         from ..models import load_model
         from ..quantize import quantize

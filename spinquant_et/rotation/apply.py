@@ -77,22 +77,39 @@ def _assign(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 
 @torch.no_grad()
+def apply_r4_layer(layer: nn.Module, arch: ArchSpec, h4: HadamardTransform) -> None:
+    """The offline half of R4 on one layer: ``down_proj.weight <- W H4^T`` (``h4`` in float64)."""
+    down = layer.get_submodule(arch.down)
+    _set(down, "weight", h4(down.weight.double()))
+
+
+@torch.no_grad()
 def apply_r4_weights(model: nn.Module, arch: ArchSpec) -> None:
     """The offline half of R4: ``down_proj.weight <- W H4^T`` (its input gets ``x H4^T`` online)."""
     h4 = HadamardTransform(model.config.intermediate_size).double()
     for layer in model.get_submodule(arch.layers):
-        down = layer.get_submodule(arch.down)
-        _set(down, "weight", h4(down.weight.double()))
+        apply_r4_layer(layer, arch, h4)
+
+
+@torch.no_grad()
+def rotate_layer(layer: nn.Module, arch: ArchSpec, r1: torch.Tensor, r2: torch.Tensor, head_dim: int) -> None:
+    """R1 and R2 into one norm-fused decoder layer's weights, in place (float64 arithmetic)."""
+    _assign(layer, rotated_layer_tensors(layer, arch, r1.double(), r2.double(), head_dim))
+
+
+@torch.no_grad()
+def rotate_rows(w: torch.Tensor, r1: torch.Tensor) -> torch.Tensor:
+    """``W R1`` for an embedding table or lm_head ``[rows, hidden]``, in float64, back in ``w``'s dtype."""
+    return (w.double() @ r1.double()).to(w.dtype)
 
 
 @torch.no_grad()
 def rotate_model(model: nn.Module, arch: ArchSpec, r1: torch.Tensor, r2: list[torch.Tensor], r4: bool = True) -> None:
     """Rotate the weights of a norm-fused, untied model in place (see the module table)."""
     hd = head_dim_of(model.config)
-    r1 = r1.double()
     for name in (arch.embed, arch.lm_head):
-        _set(model.get_submodule(name), "weight", model.get_submodule(name).weight.double() @ r1)
+        _set(model.get_submodule(name), "weight", rotate_rows(model.get_submodule(name).weight, r1))
     for layer, r2_l in zip(model.get_submodule(arch.layers), r2, strict=True):
-        _assign(layer, rotated_layer_tensors(layer, arch, r1, r2_l.double(), hd))
+        rotate_layer(layer, arch, r1, r2_l, hd)
     if r4:
         apply_r4_weights(model, arch)

@@ -18,14 +18,20 @@ def _scale_inputs(linear: nn.Linear, g: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+def fuse_layer_norms(layer: nn.Module, arch: ArchSpec) -> None:
+    """Fold one decoder layer's RMSNorm weights into the linears that read them; norms become 1."""
+    for norm_name, readers in arch.norm_readers.items():
+        norm = layer.get_submodule(norm_name)
+        for reader in readers:
+            _scale_inputs(layer.get_submodule(reader), norm.weight)
+        norm.weight.fill_(1.0)
+
+
+@torch.no_grad()
 def fuse_norms(model: nn.Module, arch: ArchSpec) -> None:
     """Fold per-layer and final RMSNorm weights into their readers and set the norms to 1 (in place)."""
     for layer in model.get_submodule(arch.layers):
-        for norm_name, readers in arch.norm_readers.items():
-            norm = layer.get_submodule(norm_name)
-            for reader in readers:
-                _scale_inputs(layer.get_submodule(reader), norm.weight)
-            norm.weight.fill_(1.0)
+        fuse_layer_norms(layer, arch)
     norm = model.get_submodule(arch.final_norm)
     _scale_inputs(model.get_submodule(arch.lm_head), norm.weight)
     norm.weight.fill_(1.0)

@@ -85,6 +85,9 @@ class OptimizeConfig:
         Trainer, whose ``max_grad_norm`` is 1.0); 0 = off.
     bf16: autocast matmuls to bfloat16 (on CUDA, and on CPUs with native bf16 such as AVX512-BF16 or AMX).
     clip_every: with ``w_bits < 16``, steps between searches of each weight group's clip ratio.
+    a_clip, k_clip, v_clip, o_per_head: the eager activation/KV quantizers of the target recipe
+        (``QuantRecipe``'s fields of the same names), so the rotation is trained for the quantizer it
+        will be evaluated under.
     """
 
     a_bits: int = 4
@@ -100,8 +103,15 @@ class OptimizeConfig:
     grad_clip: float = 1.0
     bf16: bool = False
     clip_every: int = 10
+    a_clip: float = 1.0
+    k_clip: float = 1.0
+    v_clip: float = 1.0
+    o_per_head: bool = False
 
     def __post_init__(self):
+        for name in ("a_clip", "k_clip", "v_clip"):
+            if not 0.5 <= getattr(self, name) <= 1.0:
+                raise SpinQuantError(f"--{name.replace('_', '-')} must be in [0.5, 1.0], got {getattr(self, name)}")
         if self.loss not in LOSSES:
             raise SpinQuantError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
@@ -138,7 +148,8 @@ class RotationTrainer:
         untie_embeddings(model)
         fuse_norms(model, self.arch)
         apply_r4_weights(model, self.arch)
-        attach_online(model, self.arch, rotated=True, a_bits=cfg.a_bits, kv_bits=cfg.kv_bits)
+        attach_online(model, self.arch, rotated=True, a_bits=cfg.a_bits, kv_bits=cfg.kv_bits, a_clip=cfg.a_clip,
+                      k_clip=cfg.k_clip, v_clip=cfg.v_clip, o_per_head=cfg.o_per_head)
         model.to(device).requires_grad_(False)
         model.train()  # Llama-family dropout is 0; train mode only lets the STEs pass gradients as usual
         self.model, self.device = model, device
@@ -275,8 +286,10 @@ class RotationTrainer:
                 "clip_searched_at": self._clip_searched_at}
 
     def load_state(self, state: dict) -> None:
-        if state["config"] != asdict(self.cfg):
-            changed = sorted(k for k in state["config"] if state["config"][k] != asdict(self.cfg).get(k))
+        # a checkpoint older than a config field ran with that field's default
+        saved = {**asdict(OptimizeConfig()), **state["config"]}
+        if saved != asdict(self.cfg):
+            changed = sorted(k for k in saved if saved[k] != asdict(self.cfg).get(k))
             raise SpinQuantError(f"--resume: the checkpoint was made with different settings ({', '.join(changed)}); "
                                  "use the same flags or drop --resume")
         with torch.no_grad():
