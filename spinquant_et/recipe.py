@@ -18,6 +18,13 @@ GPTQ_TARGETS = ("float", "layer")
 NO_QUANT = 16  # bits value meaning "keep float"
 
 
+def check_clip_ratios(cfg) -> None:
+    """``cfg.a_clip``, ``k_clip`` and ``v_clip`` in [0.5, 1.0] (a recipe, or optimize's config that trains for one)."""
+    for name in ("a_clip", "k_clip", "v_clip"):
+        if not 0.5 <= getattr(cfg, name) <= 1.0:
+            raise SpinQuantError(f"--{name.replace('_', '-')} must be in [0.5, 1.0], got {getattr(cfg, name)}")
+
+
 @dataclass
 class QuantRecipe:
     """What to do to a float model. ``*_bits = 16`` keeps that tensor in float.
@@ -62,9 +69,7 @@ class QuantRecipe:
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise SpinQuantError(f"--calib-samples must be >= 1 and --calib-seq-len >= 2, got {self.calib_samples}, "
                                  f"{self.calib_seq_len}")
-        for name in ("a_clip", "k_clip", "v_clip"):
-            if not 0.5 <= getattr(self, name) <= 1.0:
-                raise SpinQuantError(f"--{name.replace('_', '-')} must be in [0.5, 1.0], got {getattr(self, name)}")
+        check_clip_ratios(self)
         if self.gptq_target not in GPTQ_TARGETS:
             raise SpinQuantError(f"unknown GPTQ target {self.gptq_target!r}; choose one of {', '.join(GPTQ_TARGETS)}")
         if self.w_method not in W_METHODS:

@@ -181,16 +181,14 @@ def quantize_streaming(model_dir: str | os.PathLike, recipe: QuantRecipe, out: s
     tokenizer = _load_tokenizer(str(model_dir))
     model = _skeleton(config, arch, recipe)
     gptq = recipe.w_method == "gptq" and recipe.w_bits < NO_QUANT
-    calibration = None
-    if gptq:
-        calibration = default_calibration(LoadedModel(model, tokenizer, arch, str(model_dir)), recipe, calib_text)
+    loaded = LoadedModel(model, tokenizer, arch, str(model_dir))
+    calibration = default_calibration(loaded, recipe, calib_text) if gptq else None
     with atomic_output_dir(out, force) as tmp:
         with ShardWriter(tmp, shard_bytes, metadata={"spinquant_et": "1"}) as writer:
             streamer = _Streamer(reader, model, arch, recipe, writer)
             if gptq:
                 embed = model.get_submodule(arch.embed)
                 embed.weight = nn.Parameter(streamer.rotated_table(arch.embed), requires_grad=False)
-                loaded = LoadedModel(model, tokenizer, arch, str(model_dir))
                 gptq_quantize_layers(loaded, recipe, calibration, progress,
                                      before_layer=streamer.load_layer, after_layer=streamer.write_layer)
                 embed.to("meta")

@@ -113,28 +113,27 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
 
     if path.is_dir() and (path / "recipe.json").is_file():
         tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(path)
-    elif can_stream(path):  # an HF safetensors directory: quantized one decoder layer at a time
-        from ..stream import quantize_streaming
-
-        recipe = recipe or QuantRecipe()
-        check_exportable(recipe)
-        check_ops(ops, recipe)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.checkpoint.") as staging:
-            ckpt = quantize_streaming(path, recipe, Path(staging) / "checkpoint", calib_text=calib_text)
-            tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(ckpt)
     else:
-        from ..models import load_model
-        from ..quantize import quantize
-
         recipe = recipe or QuantRecipe()
         check_exportable(recipe)  # before minutes of quantization
         check_ops(ops, recipe)
-        loaded = load_model(model)
-        seconds["load"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        qm = quantize(loaded, recipe, calib_text=calib_text)
-        tensors, config, arch, tokenizer = qm.checkpoint_tensors(), loaded.model.config, loaded.arch, loaded.tokenizer
+        if can_stream(path):  # an HF safetensors directory: quantized one decoder layer at a time
+            from ..stream import quantize_streaming
+
+            out.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.checkpoint.") as staging:
+                ckpt = quantize_streaming(path, recipe, Path(staging) / "checkpoint", calib_text=calib_text)
+                tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(ckpt)
+        else:
+            from ..models import load_model
+            from ..quantize import quantize
+
+            loaded = load_model(model)
+            seconds["load"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            qm = quantize(loaded, recipe, calib_text=calib_text)
+            tensors, config, arch = qm.checkpoint_tensors(), loaded.model.config, loaded.arch
+            tokenizer = loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)

@@ -34,7 +34,7 @@ from ..models.load import LoadedModel, untie_embeddings
 from ..online import QuantLinear, attach_online
 from ..quant.quantizer import fake_quant_weight_ste
 from ..quant.rtn import clip_scales
-from ..recipe import NO_QUANT
+from ..recipe import NO_QUANT, check_clip_ratios
 from .apply import apply_r4_weights, head_dim_of, random_rotations, rotated_layer_tensors
 from .fuse import fuse_norms
 from .io import save_rotations
@@ -109,9 +109,7 @@ class OptimizeConfig:
     o_per_head: bool = False
 
     def __post_init__(self):
-        for name in ("a_clip", "k_clip", "v_clip"):
-            if not 0.5 <= getattr(self, name) <= 1.0:
-                raise SpinQuantError(f"--{name.replace('_', '-')} must be in [0.5, 1.0], got {getattr(self, name)}")
+        check_clip_ratios(self)
         if self.loss not in LOSSES:
             raise SpinQuantError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.steps < 1 or self.batch_size < 1 or self.lr <= 0:
