@@ -165,7 +165,7 @@ def test_a_file_that_is_not_a_program(tmp_path, capsys):
 
 
 def test_export_straight_from_a_float_model(tiny_hf_dir, tmp_path):
-    """`export --model <HF dir>` quantizes in memory with the recipe flags, then lowers."""
+    """`export --model <HF dir>` quantizes with the recipe flags (layer by layer, from the shards), then lowers."""
     from spinquant_et.runtime import PteModel, generate
 
     out = tmp_path / "direct.pte"
