@@ -109,7 +109,7 @@ class _Streamer:
 
     def rtn_layers(self, progress: bool) -> None:
         r = self.recipe
-        for i, layer in enumerate(tqdm(self.layers, desc="quantize layers", disable=not progress)):
+        for i, layer in enumerate(tqdm(self.layers, desc="quantize weights", unit="layer", disable=not progress)):
             self.load_layer(i, layer)
             qtensors: dict[str, torch.Tensor] = {}
             if r.w_bits < NO_QUANT:
