@@ -57,6 +57,9 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a-clip", type=float, default=d.a_clip,
                    help="eager fake-quant only: shrink each token's activation range by this ratio before quantizing "
                    f"(QuaRot/SpinQuant's a_clip_ratio; default {d.a_clip})")
+    p.add_argument("--a-clip-search", action="store_true",
+                   help="eager fake-quant only, with GPTQ: choose each linear input's clip ratio (1.0 down to 0.7) by "
+                   "the output error its quantization adds on 16 calibration windows; overrides --a-clip")
     p.add_argument("--k-clip", type=float, default=d.k_clip, help=f"eager fake-quant only: K clip ratio (default {d.k_clip})")
     p.add_argument("--v-clip", type=float, default=d.v_clip, help=f"eager fake-quant only: V clip ratio (default {d.v_clip})")
     p.add_argument("--o-per-head", action="store_true",
@@ -91,7 +94,7 @@ def _recipe(args) -> QuantRecipe:
         a_bits=args.a_bits, kv_bits=args.kv_bits, embedding_bits=args.embedding_bits,
         lm_head_bits=args.lm_head_bits, seed=args.seed, w_method=args.w_method, act_order=args.act_order,
         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, a_clip=args.a_clip, k_clip=args.k_clip,
-        v_clip=args.v_clip, o_per_head=args.o_per_head, gptq_target=args.gptq_target,
+        v_clip=args.v_clip, o_per_head=args.o_per_head, gptq_target=args.gptq_target, a_clip_search=args.a_clip_search,
     )
 
 

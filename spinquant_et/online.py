@@ -33,11 +33,13 @@ class QuantLinear(nn.Linear):
         self.a_bits, self.a_group_size, self.a_clip = a_bits, a_group_size, a_clip
         self.input_transform = input_transform
 
+    def transformed_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input after the online Hadamard, before quantization."""
+        return x if self.input_transform is None else self.input_transform(x)
+
     def effective_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the weight multiplies: the transformed, quantized input (GPTQ's Hessian is built from it)."""
-        if self.input_transform is not None:
-            x = self.input_transform(x)
-        return fake_quant_per_token(x, self.a_bits, self.a_group_size, self.a_clip)
+        return fake_quant_per_token(self.transformed_input(x), self.a_bits, self.a_group_size, self.a_clip)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.effective_input(x), self.weight, self.bias)
@@ -84,28 +86,32 @@ def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, kv_bits: int, a_clip: float = 1.0,
-                  k_clip: float = 1.0, v_clip: float = 1.0, o_per_head: bool = False) -> nn.Module:
+                  k_clip: float = 1.0, v_clip: float = 1.0, o_per_head: bool = False,
+                  a_clips: dict[str, float] | None = None) -> nn.Module:
     """Install R3/R4 (when ``rotated``) and activation/KV fake-quant; idempotent, returns ``model``.
 
     Every linear but lm_head gets its input quantized (lm_head's input stays float, as in SpinQuant).
     ``a_clip``/``k_clip``/``v_clip`` shrink each token's range before quantizing (QuaRot/SpinQuant's
     ``a_clip_ratio``, ``k_clip_ratio``, ``v_clip_ratio``); ``o_per_head`` quantizes o_proj's input per
     head (``head_dim`` groups, as the SpinQuant reference does) instead of per token over all heads.
+    ``a_clips`` (``{linear name: ratio}``, from ``--a-clip-search``) overrides ``a_clip`` per linear.
     """
     from .rotation.apply import head_dim_of
 
     _register_attention()
     cfg = model.config
     hd = head_dim_of(cfg)
-    for layer in model.get_submodule(arch.layers):
+    a_clips = a_clips or {}
+    for i, layer in enumerate(model.get_submodule(arch.layers)):
         for name in arch.linears:
             lin = layer.get_submodule(name)
             transform = HadamardTransform(cfg.intermediate_size) if (rotated and name == arch.down) else None
             group = hd if (o_per_head and name == arch.o) else 0
+            clip = a_clips.get(f"{arch.layers}.{i}.{name}", a_clip)
             if isinstance(lin, QuantLinear):
-                lin.a_bits, lin.input_transform, lin.a_group_size, lin.a_clip = a_bits, transform, group, a_clip
+                lin.a_bits, lin.input_transform, lin.a_group_size, lin.a_clip = a_bits, transform, group, clip
             else:
-                _replace(layer, name, QuantLinear(lin, a_bits, transform, group, a_clip))
+                _replace(layer, name, QuantLinear(lin, a_bits, transform, group, clip))
         attn = layer.get_submodule(arch.q.rpartition(".")[0])
         attn.r3 = HadamardTransform(hd) if rotated else None
         quantized = kv_bits < NO_QUANT

@@ -105,13 +105,15 @@ def _run_layer(layer, args, kwargs) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
-def _linear_inputs(layer, name: str, inputs):
+def _linear_inputs(layer, name: str, inputs, quantized: bool = True):
     """Yield, window by window, the ``[tokens, in]`` input that the linear ``name`` of ``layer``
-    multiplies; each pass stops as soon as ``name`` has its input (the rest of the layer is not needed)."""
+    multiplies (``quantized=False``: before its activation quantizer); each pass stops as soon as
+    ``name`` has its input (the rest of the layer is not needed)."""
     seen = []
 
     def collect(module, inp, out):
-        seen.append(module.effective_input(inp[0]).detach().reshape(-1, module.in_features).float())
+        x = module.effective_input(inp[0]) if quantized else module.transformed_input(inp[0])
+        seen.append(x.detach().reshape(-1, module.in_features).float())
         raise _Stop
 
     hook = layer.get_submodule(name).register_forward_hook(collect)
@@ -168,11 +170,14 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
     gate/up, down): each Hessian comes from inputs computed with everything before already quantized,
     activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run).
     With ``recipe.gptq_target == "float"`` a float twin of each layer runs on the float model's inputs
-    beside it, and GPTQ aims at the float outputs (``quant.gptq.float_target``).
+    beside it, and GPTQ aims at the float outputs (``quant.gptq.float_target``). With
+    ``recipe.a_clip_search`` each input's activation clip ratio is chosen (``quant.act_clip``) before
+    its Hessian is built, and recorded in ``recipe.a_clips``.
 
     ``before_layer(i, layer)`` and ``after_layer(i, layer, qtensors)`` let a caller hold one layer at a
     time (``stream``): the first gives layer ``i`` its rotated weights, the second takes its integers
     (the returned dict then holds only what ``after_layer`` left in it)."""
+    from .quant.act_clip import CLIP_WINDOWS, best_clip
     from .quant.gptq import float_target, gptq_quantize
 
     arch = loaded.arch
@@ -186,6 +191,11 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
             before_layer(i, layer)
         float_layer = _float_copy(layer) if float_inputs is not None else None
         for names in steps:
+            if recipe.a_clip_search and recipe.a_bits < NO_QUANT:
+                linears = [layer.get_submodule(n) for n in names]
+                clip = best_clip(_linear_inputs(layer, names[0], inputs[:CLIP_WINDOWS], quantized=False), linears)
+                for n, m in zip(names, linears, strict=True):
+                    m.a_clip = recipe.a_clips[f"{arch.layers}.{i}.{n}"] = clip
             h, cross = _hessian(layer, names[0], inputs, float_layer, float_inputs)
             for n in names:
                 m = layer.get_submodule(n)

@@ -7,7 +7,7 @@ rebuild exactly the same model (which online rotations, which activation/KV bits
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .errors import SpinQuantError
@@ -58,6 +58,10 @@ class QuantRecipe:
     k_clip: float = 1.0
     v_clip: float = 1.0
     o_per_head: bool = False
+    # GPTQ only, eager only: choose each linear input's clip ratio from ACT_CLIP_GRID by the output error
+    # it adds on calibration text (quant.act_clip); the choices land in ``a_clips`` (linear name -> ratio)
+    a_clip_search: bool = False
+    a_clips: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("w_bits", "a_bits", "kv_bits", "embedding_bits", "lm_head_bits"):
@@ -70,6 +74,12 @@ class QuantRecipe:
             raise SpinQuantError(f"--calib-samples must be >= 1 and --calib-seq-len >= 2, got {self.calib_samples}, "
                                  f"{self.calib_seq_len}")
         check_clip_ratios(self)
+        if self.a_clip_search and (self.w_method != "gptq" or self.w_bits >= NO_QUANT):
+            raise SpinQuantError("--a-clip-search runs inside GPTQ's calibration: use it with --w-method gptq and "
+                                 "--w-bits below 16")
+        bad = {k: v for k, v in self.a_clips.items() if not (isinstance(v, (int, float)) and 0.5 <= v <= 1.0)}
+        if bad:
+            raise SpinQuantError(f"a_clips must hold ratios in [0.5, 1.0], got {next(iter(bad.items()))}")
         if self.gptq_target not in GPTQ_TARGETS:
             raise SpinQuantError(f"unknown GPTQ target {self.gptq_target!r}; choose one of {', '.join(GPTQ_TARGETS)}")
         if self.w_method not in W_METHODS:
@@ -95,7 +105,8 @@ class QuantRecipe:
 
     def online_kwargs(self) -> dict:
         """The keyword arguments of ``online.attach_online`` beyond rotation and bits."""
-        return dict(a_clip=self.a_clip, k_clip=self.k_clip, v_clip=self.v_clip, o_per_head=self.o_per_head)
+        return dict(a_clip=self.a_clip, k_clip=self.k_clip, v_clip=self.v_clip, o_per_head=self.o_per_head,
+                    a_clips=self.a_clips)
 
     def label(self) -> str:
         """Short name like ``W4A8KV16-hadamard`` for tables."""
