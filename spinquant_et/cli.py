@@ -60,6 +60,9 @@ def _add_recipe_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--a-clip-search", action="store_true",
                    help="eager fake-quant only, with GPTQ: choose each linear input's clip ratio (1.0 down to 0.7) by "
                    "the output error its quantization adds on 16 calibration windows; overrides --a-clip")
+    p.add_argument("--a-sym", action="store_true",
+                   help="eager fake-quant only: symmetric activations and K/V (zero point 0) instead of asymmetric "
+                   "(XNNPACK's dynamic quantization and our int8 KV cache are asymmetric)")
     p.add_argument("--k-clip", type=float, default=d.k_clip, help=f"eager fake-quant only: K clip ratio (default {d.k_clip})")
     p.add_argument("--v-clip", type=float, default=d.v_clip, help=f"eager fake-quant only: V clip ratio (default {d.v_clip})")
     p.add_argument("--o-per-head", action="store_true",
@@ -95,6 +98,7 @@ def _recipe(args) -> QuantRecipe:
         lm_head_bits=args.lm_head_bits, seed=args.seed, w_method=args.w_method, act_order=args.act_order,
         calib_samples=args.calib_samples, calib_seq_len=args.calib_seq_len, a_clip=args.a_clip, k_clip=args.k_clip,
         v_clip=args.v_clip, o_per_head=args.o_per_head, gptq_target=args.gptq_target, a_clip_search=args.a_clip_search,
+        a_sym=args.a_sym,
     )
 
 

@@ -26,11 +26,11 @@ class QuantLinear(nn.Linear):
     """``y = Q_a(T(x)) W^T + b``: T an optional online Hadamard, Q_a per-token fake-quant."""
 
     def __init__(self, linear: nn.Linear, a_bits: int = NO_QUANT, input_transform: nn.Module | None = None,
-                 a_group_size: int = 0, a_clip: float = 1.0):
+                 a_group_size: int = 0, a_clip: float = 1.0, a_sym: bool = False):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.a_bits, self.a_group_size, self.a_clip = a_bits, a_group_size, a_clip
+        self.a_bits, self.a_group_size, self.a_clip, self.a_sym = a_bits, a_group_size, a_clip, a_sym
         self.input_transform = input_transform
 
     def transformed_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ class QuantLinear(nn.Linear):
 
     def effective_input(self, x: torch.Tensor) -> torch.Tensor:
         """What the weight multiplies: the transformed, quantized input (GPTQ's Hessian is built from it)."""
-        return fake_quant_per_token(self.transformed_input(x), self.a_bits, self.a_group_size, self.a_clip)
+        return fake_quant_per_token(self.transformed_input(x), self.a_bits, self.a_group_size, self.a_clip, self.a_sym)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(self.effective_input(x), self.weight, self.bias)
@@ -51,12 +51,12 @@ class QuantLinear(nn.Linear):
 class KVQuantizer(nn.Module):
     """Per-token, per-head asymmetric fake-quant of K or V ``[batch, heads, seq, head_dim]``."""
 
-    def __init__(self, bits: int, clip: float = 1.0):
+    def __init__(self, bits: int, clip: float = 1.0, symmetric: bool = False):
         super().__init__()
-        self.bits, self.clip = bits, clip
+        self.bits, self.clip, self.symmetric = bits, clip, symmetric
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fake_quant_per_token(x, self.bits, clip_ratio=self.clip)
+        return fake_quant_per_token(x, self.bits, clip_ratio=self.clip, symmetric=self.symmetric)
 
 
 def spinquant_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -87,14 +87,15 @@ def _replace(parent: nn.Module, path: str, new: nn.Module) -> None:
 
 def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, kv_bits: int, a_clip: float = 1.0,
                   k_clip: float = 1.0, v_clip: float = 1.0, o_per_head: bool = False,
-                  a_clips: dict[str, float] | None = None) -> nn.Module:
+                  a_clips: dict[str, float] | None = None, a_sym: bool = False) -> nn.Module:
     """Install R3/R4 (when ``rotated``) and activation/KV fake-quant; idempotent, returns ``model``.
 
     Every linear but lm_head gets its input quantized (lm_head's input stays float, as in SpinQuant).
     ``a_clip``/``k_clip``/``v_clip`` shrink each token's range before quantizing (QuaRot/SpinQuant's
     ``a_clip_ratio``, ``k_clip_ratio``, ``v_clip_ratio``); ``o_per_head`` quantizes o_proj's input per
     head (``head_dim`` groups, as the SpinQuant reference does) instead of per token over all heads.
-    ``a_clips`` (``{linear name: ratio}``, from ``--a-clip-search``) overrides ``a_clip`` per linear.
+    ``a_clips`` (``{linear name: ratio}``, from ``--a-clip-search``) overrides ``a_clip`` per linear;
+    ``a_sym`` makes activations and K/V symmetric (zero point 0).
     """
     from .rotation.apply import head_dim_of
 
@@ -110,13 +111,14 @@ def attach_online(model: nn.Module, arch: ArchSpec, rotated: bool, a_bits: int, 
             clip = a_clips.get(f"{arch.layers}.{i}.{name}", a_clip)
             if isinstance(lin, QuantLinear):
                 lin.a_bits, lin.input_transform, lin.a_group_size, lin.a_clip = a_bits, transform, group, clip
+                lin.a_sym = a_sym
             else:
-                _replace(layer, name, QuantLinear(lin, a_bits, transform, group, clip))
+                _replace(layer, name, QuantLinear(lin, a_bits, transform, group, clip, a_sym))
         attn = layer.get_submodule(arch.q.rpartition(".")[0])
         attn.r3 = HadamardTransform(hd) if rotated else None
         quantized = kv_bits < NO_QUANT
-        attn.k_quant = KVQuantizer(kv_bits, k_clip) if quantized else None
-        attn.v_quant = KVQuantizer(kv_bits, v_clip) if quantized else None
+        attn.k_quant = KVQuantizer(kv_bits, k_clip, a_sym) if quantized else None
+        attn.v_quant = KVQuantizer(kv_bits, v_clip, a_sym) if quantized else None
     model.set_attn_implementation(ATTN_IMPL)
     return model
 

@@ -62,6 +62,7 @@ class QuantRecipe:
     # it adds on calibration text (quant.act_clip); the choices land in ``a_clips`` (linear name -> ratio)
     a_clip_search: bool = False
     a_clips: dict[str, float] = field(default_factory=dict)
+    a_sym: bool = False  # symmetric activations and K/V (zero point 0), the reference's a_asym/k_asym/v_asym off
 
     def __post_init__(self):
         for name in ("w_bits", "a_bits", "kv_bits", "embedding_bits", "lm_head_bits"):
@@ -106,7 +107,7 @@ class QuantRecipe:
     def online_kwargs(self) -> dict:
         """The keyword arguments of ``online.attach_online`` beyond rotation and bits."""
         return dict(a_clip=self.a_clip, k_clip=self.k_clip, v_clip=self.v_clip, o_per_head=self.o_per_head,
-                    a_clips=self.a_clips)
+                    a_clips=self.a_clips, a_sym=self.a_sym)
 
     def label(self) -> str:
         """Short name like ``W4A8KV16-hadamard`` for tables."""

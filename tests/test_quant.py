@@ -115,6 +115,25 @@ def test_online_clip_ratios_and_per_head_o_proj_reach_the_quantizers(tiny_hf_dir
 def test_eager_only_levers_are_not_exportable():
     from spinquant_et.export.build import check_exportable
 
-    for kw in (dict(a_clip=0.9), dict(o_per_head=True), dict(kv_bits=8, k_clip=0.9)):
+    for kw in (dict(a_clip=0.9), dict(o_per_head=True), dict(kv_bits=8, k_clip=0.9), dict(a_sym=True)):
         with pytest.raises(SpinQuantError, match="not exportable"):
             check_exportable(QuantRecipe(**kw))
+
+
+def test_symmetric_activations_keep_zero_and_the_sign_balanced_grid(tiny_hf_dir):
+    """--a-sym: zero point 0 (a zero stays exactly zero, the grid is -8..7 steps of max|x|/7) on linear
+    inputs and K/V alike; the default asymmetric grid spends its 16 levels on [min, max] instead."""
+    from spinquant_et.models import load_model
+    from spinquant_et.online import attach_recipe
+
+    x = torch.tensor([[0.0, 0.3, 0.7, -0.05, 0.01] + [0.02] * 3])
+    sym = fake_quant_per_token(x, 4, symmetric=True)
+    scale = 0.7 / 7
+    torch.testing.assert_close(sym, torch.round(x / scale) * scale)
+    asym = fake_quant_per_token(x, 4)
+    assert (sym - x).abs().max() > (asym - x).abs().max()  # one-sided data: asymmetric wastes fewer levels
+
+    loaded = load_model(str(tiny_hf_dir["llama"]))
+    attach_recipe(loaded.model, loaded.arch, QuantRecipe(a_bits=4, kv_bits=4, a_sym=True))
+    attn = loaded.model.model.layers[0].self_attn
+    assert attn.o_proj.a_sym and attn.k_quant.symmetric and attn.v_quant.symmetric

@@ -36,8 +36,9 @@ def check_exportable(recipe: QuantRecipe) -> None:
         problems.append(f"--a-bits {recipe.a_bits} with float weights (use --a-bits 16)")
     if recipe.kv_bits not in (8, NO_QUANT):
         problems.append(f"--kv-bits {recipe.kv_bits} (the exported KV cache is int8 or float: use 8 or 16)")
-    if recipe.a_clip != 1.0 or recipe.o_per_head or recipe.a_clip_search or recipe.a_clips:
-        problems.append("--a-clip/--a-clip-search/--o-per-head (XNNPACK quantizes activations per token over their full range)")
+    if recipe.a_clip != 1.0 or recipe.o_per_head or recipe.a_clip_search or recipe.a_clips or recipe.a_sym:
+        problems.append("--a-clip/--a-clip-search/--a-sym/--o-per-head (XNNPACK quantizes activations per token, "
+                        "asymmetric, over their full range)")
     if recipe.k_clip != 1.0 or recipe.v_clip != 1.0:
         problems.append("--k-clip/--v-clip (the exported KV cache quantizes each token over its full range)")
     if recipe.embedding_bits not in (8, NO_QUANT):

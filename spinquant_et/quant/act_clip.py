@@ -27,6 +27,6 @@ def best_clip(inputs, linears: list[torch.nn.Module], grid: tuple[float, ...] = 
     errors = torch.zeros(len(grid), dtype=torch.float64)
     for x in inputs:
         for j, c in enumerate(grid):
-            e = fake_quant_per_token(x, first.a_bits, first.a_group_size, c) - x
+            e = fake_quant_per_token(x, first.a_bits, first.a_group_size, c, first.a_sym) - x
             errors[j] += ((e @ gram) * e).sum().double()
     return grid[int(errors.argmin())]

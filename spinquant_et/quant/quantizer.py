@@ -51,12 +51,19 @@ def dequantize_weight(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (q.float().reshape(out_f, n_groups, in_f // n_groups) * scales[..., None].float()).reshape(out_f, in_f)
 
 
-def fake_quant_per_token(x: torch.Tensor, bits: int, group_size: int = 0, clip_ratio: float = 1.0) -> torch.Tensor:
-    """Asymmetric per-token (or per ``group_size`` slice of the last dim) fake quantization, STE."""
+def fake_quant_per_token(x: torch.Tensor, bits: int, group_size: int = 0, clip_ratio: float = 1.0,
+                         symmetric: bool = False) -> torch.Tensor:
+    """Asymmetric per-token (or per ``group_size`` slice of the last dim) fake quantization, STE.
+    ``symmetric``: zero point 0, ``max |x|`` maps to ``2^(b-1) - 1`` (the reference's ``a_asym`` off)."""
     if bits >= 16:
         return x
     shape = x.shape
     xg = x.reshape(*shape[:-1], -1, group_size) if group_size > 0 else x
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = (xg.abs().amax(-1, keepdim=True) * clip_ratio / qmax).clamp_min(SCALE_EPS)
+        deq = (torch.clamp(torch.round(xg / scale), -qmax - 1, qmax) * scale).reshape(shape)
+        return x + (deq - x).detach()
     maxq = 2**bits - 1
     xmin = xg.amin(-1, keepdim=True).clamp(max=0) * clip_ratio
     xmax = xg.amax(-1, keepdim=True).clamp(min=0) * clip_ratio
