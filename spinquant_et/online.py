@@ -49,7 +49,8 @@ class QuantLinear(nn.Linear):
 
 
 class KVQuantizer(nn.Module):
-    """Per-token, per-head asymmetric fake-quant of K or V ``[batch, heads, seq, head_dim]``."""
+    """Per-token, per-head fake-quant of K or V ``[batch, heads, seq, head_dim]``: asymmetric (the exported
+    int8 cache's), or with ``symmetric`` zero point 0."""
 
     def __init__(self, bits: int, clip: float = 1.0, symmetric: bool = False):
         super().__init__()

@@ -60,10 +60,7 @@ def fake_quant_per_token(x: torch.Tensor, bits: int, group_size: int = 0, clip_r
     shape = x.shape
     xg = x.reshape(*shape[:-1], -1, group_size) if group_size > 0 else x
     if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = (xg.abs().amax(-1, keepdim=True) * clip_ratio / qmax).clamp_min(SCALE_EPS)
-        deq = (torch.clamp(torch.round(xg / scale), -qmax - 1, qmax) * scale).reshape(shape)
-        return x + (deq - x).detach()
+        return _symmetric_fake_quant(x, xg, bits, clip_ratio=clip_ratio)
     maxq = 2**bits - 1
     xmin = xg.amin(-1, keepdim=True).clamp(max=0) * clip_ratio
     xmax = xg.amax(-1, keepdim=True).clamp(min=0) * clip_ratio
@@ -82,11 +79,16 @@ def fake_quant_weight_ste(w: torch.Tensor, bits: int, group_size: int, clip_rati
     """
     if bits >= 16:
         return w
+    scale = None if scales is None else scales.clamp_min(SCALE_EPS)[..., None]
+    return _symmetric_fake_quant(w, _grouped(w, group_size), bits, scale, clip_ratio)
+
+
+def _symmetric_fake_quant(x: torch.Tensor, xg: torch.Tensor, bits: int, scale: torch.Tensor | None = None,
+                          clip_ratio: float = 1.0) -> torch.Tensor:
+    """``x`` fake-quantized with zero point 0 and a straight-through estimator; ``xg`` is its grouped view
+    ``[..., groups, size]`` and ``scale`` one per group (default: ``clip_ratio * max |x| / (2^(b-1) - 1)``)."""
     qmax = 2 ** (bits - 1) - 1
-    wg = _grouped(w, group_size)
-    if scales is None:
-        scale = (wg.abs().amax(-1, keepdim=True) * clip_ratio / qmax).clamp_min(SCALE_EPS)
-    else:
-        scale = scales.clamp_min(SCALE_EPS)[..., None]
-    deq = (torch.clamp(torch.round(wg / scale), -qmax - 1, qmax) * scale).reshape(w.shape)
-    return w + (deq - w).detach()
+    if scale is None:
+        scale = (xg.abs().amax(-1, keepdim=True) * clip_ratio / qmax).clamp_min(SCALE_EPS)
+    deq = (torch.clamp(torch.round(xg / scale), -qmax - 1, qmax) * scale).reshape(x.shape)
+    return x + (deq - x).detach()
