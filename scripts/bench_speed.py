@@ -4,10 +4,12 @@
     python scripts/bench_speed.py --model smollm2-135m --out-dir bench_out [--reuse]
 
 Rows: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default;
-also through the C++ runner when runner/build/spinquant-run exists, and decoding through
-``forward`` as ExecuTorch's stock runners do instead of the ``decode_N`` methods: same file), the
-same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp on the model's GGUF when
-``llama-cpp-python`` is installed and the model is a .gguf (the demo model is). Every row is
+also through the C++ runner when runner/build/spinquant-run exists, and through ``forward`` as
+ExecuTorch's stock runners run it instead of ``forward_ctx``: same file), the same with an int8 KV
+cache (R3 in the graph), the same with a 256-position cache (does speed follow the filled context or
+the capacity?), the same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp
+on the model's GGUF when ``llama-cpp-python`` is installed and the model is a .gguf (the demo model
+is). A row whose cache cannot hold the prompt and the new tokens is left out. Every row is
 measured in its own process, so its peak RSS is its own: Python rows are ``spinquant-et bench``
 (our runtime; RSS includes Python and torch), the C++ row is ``spinquant-run``, the llama.cpp row
 is llama-cpp-python with ``n_threads=2``. All rows get the same prompt token ids and decode greedily
@@ -31,16 +33,17 @@ from typing import Callable
 
 THREADS = 2
 VARIANTS = {  # name: `spinquant-et export` flags
-    "fp32": ["--rotation", "none", "--w-bits", "16", "--a-bits", "16", "--embedding-bits", "16", "--lm-head-bits", "16",
-             "--decode-windows", "none"],
+    "fp32": ["--rotation", "none", "--w-bits", "16", "--a-bits", "16", "--embedding-bits", "16", "--lm-head-bits", "16"],
     "8da4w": ["--rotation", "none"],
     "8da4w + R1-R4": ["--rotation", "hadamard"],
+    "8da4w + R1-R4, int8 KV cache": ["--rotation", "hadamard", "--kv-bits", "8"],
+    "8da4w + R1-R4, 256-position cache": ["--rotation", "hadamard", "--max-seq-len", "256"],  # overrides --max-seq-len
     "8da4w + R1-R4, et-llama ops": ["--rotation", "hadamard", "--ops", "et-llama"],
 }
 BASELINE = "8da4w"
 CPP_RUNNER = Path(__file__).parents[1] / "runner" / "build" / "spinquant-run"
 CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner and through forward only (portable ops)
-FORWARD_ONLY = f"{CPP_OF}, forward only"
+FORWARD_ONLY = f"{CPP_OF}, forward only (stock runners)"
 LLAMA_CPP = "llama.cpp (GGUF as shipped)"
 
 
@@ -163,8 +166,8 @@ def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: in
 
     def one(name: str) -> float:
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "spinquant_et.cli", "export", "--model", model, *VARIANTS[name], "--max-seq-len",
-               str(max_seq_len), "--out", str(jobs[name]), "--force"]
+        cmd = [sys.executable, "-m", "spinquant_et.cli", "export", "--model", model, "--max-seq-len", str(max_seq_len),
+               *VARIANTS[name], "--out", str(jobs[name]), "--force"]  # a variant's own --max-seq-len comes last: it wins
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"error: export of {name} failed:\n{r.stderr[-2000:]}")
@@ -174,6 +177,25 @@ def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: in
 
     with ThreadPoolExecutor(max(1, parallel)) as pool:
         return dict(zip(jobs, pool.map(one, jobs), strict=True))
+
+
+def seq_len_of(variant: str, default: int) -> int:
+    flags = VARIANTS[variant]
+    return int(flags[flags.index("--max-seq-len") + 1]) if "--max-seq-len" in flags else default
+
+
+def print_checks(rows: dict) -> None:
+    """The ratios the speed issue asks for, from the table's medians (where both rows ran)."""
+    def line(what: str, a: str, b: str, key: str = "decode") -> None:
+        if a in rows and b in rows:
+            print(f"* {what}: {rows[a][key] / rows[b][key]:.3f}x ({a}: {rows[a][key]:.1f}, {b}: {rows[b][key]:.1f})")
+
+    print()
+    line("decode, the long cache against the 256-position one", CPP_OF, f"{CPP_OF}, 256-position cache")
+    line("decode, int8 KV cache against float", f"{CPP_OF}, int8 KV cache", CPP_OF)
+    for name in (CPP_OF, f"{CPP_OF}, C++ runner"):
+        line(f"decode against llama.cpp, {name}", name, LLAMA_CPP)
+        line(f"prefill against llama.cpp, {name}", name, LLAMA_CPP, key="prefill")
 
 
 def ratio(a: float | None, b: float | None, fmt: str) -> str:
@@ -203,7 +225,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf (default: the demo model)")
     p.add_argument("--out-dir", default="bench_out")
-    p.add_argument("--max-seq-len", type=int, default=512, help="of every .pte and llama.cpp's context (default 512)")
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="of every .pte but the 256-position one, and llama.cpp's context (default 2048)")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="runs per process (after a warm-up; default 3)")
@@ -228,7 +251,8 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    names = [n for n in VARIANTS if not args.only or n in args.only or n == BASELINE]
+    names = [n for n in VARIANTS if (not args.only or n in args.only or n == BASELINE)
+             and args.prompt_tokens + args.new_tokens <= seq_len_of(n, args.max_seq_len)]
     ptes = {n: out_dir / (re.sub(r"[^\w]+", "_", n).strip("_") + f"-{args.max_seq_len}.pte") for n in names}
     todo = {n: p for n, p in ptes.items() if not (args.reuse and p.exists())}
     export_s = export_all(args.model, todo, args.max_seq_len, args.parallel_exports) if todo else {}
@@ -282,6 +306,7 @@ def main() -> None:
                       f"{args.repeats} runs; export s is wall time "
                       f"with {args.parallel_exports} exports at once; {llama_note}; "
                       f"whole run {(time.perf_counter() - t_start) / 60:.1f} min")
+    print_checks(rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from .recipe import NO_QUANT, QuantRecipe
 
 log = logging.getLogger("spinquant_et")
 
-DEFAULT_MAX_SEQ_LEN = 512  # = spinquant_et.export.pipeline.DEFAULT_MAX_SEQ_LEN (not imported: it pulls in torch)
+DEFAULT_MAX_SEQ_LEN = 2048  # = spinquant_et.export.build.DEFAULT_MAX_SEQ_LEN (not imported: it pulls in torch)
 
 VERBOSE_HELP = "debug logging, and the warnings and logs of torch, transformers and ExecuTorch (hidden by default)"
 MODEL_HELP = (
@@ -140,21 +140,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Quantize --model with the recipe flags (a checkpoint directory from `quantize` is "
                        "exported as it is), build the model with R3/R4 and a KV cache in the graph, lower it to "
                        "XNNPACK (8-bit dynamic activations x int4 groupwise weights) and write, into the folder of "
-                       "--out: X.pte, X.recipe.json (recipe, --max-seq-len, decode windows), and the tokenizer files "
+                       "--out: X.pte, X.recipe.json (recipe, --max-seq-len, methods), and the tokenizer files "
                        "every .pte in that folder shares: tokenizer.json, tokenizer_config.json, chat_template.jinja "
                        "and chat.json (the chat template pre-rendered for the C++ runner) when the tokenizer has "
                        "them. Refuses to overwrite any of them without --force.")
     x.add_argument("--model", required=True, help=MODEL_HELP)
     _add_recipe_flags(x)
-    x.add_argument("--max-seq-len", type=int, default=DEFAULT_MAX_SEQ_LEN,
-                   help="KV cache length = the longest prompt + generation; the program's memory follows it, and "
-                   f"with --decode-windows its decode speed does not (default {DEFAULT_MAX_SEQ_LEN})")
-    x.add_argument("--decode-windows", default="auto", metavar="auto|none|N,N,...",
-                   help="one-token decode methods (decode_N) that attend to the cache's first N positions, sharing "
-                   "the KV cache and the weights with forward: our runners decode each token with the smallest "
-                   "one that holds the context, so decode costs what the filled context costs. auto: 128, 512, "
-                   "2048, ... below --max-seq-len, and --max-seq-len itself (default); none: forward only (lowered "
-                   "faster; decode then attends over the whole cache). Each window lowers the model once more")
+    x.add_argument("--max-seq-len", type=int, default=None,
+                   help="KV cache length = the longest prompt + generation; the program's memory follows it, "
+                   f"its speed through our runners does not (forward_ctx) (default {DEFAULT_MAX_SEQ_LEN}, or the "
+                   "model's max_position_embeddings where that is shorter)")
+    x.add_argument("--forward-only", dest="ctx_method", action="store_false",
+                   help="lower forward alone, without forward_ctx (forward whose attention reads only the filled "
+                   "context, which our Python and C++ runners call for every prefill and decode step): half the "
+                   "lowering time, but every step then attends over the whole --max-seq-len cache")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
                    "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "
@@ -253,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=64, help="default 64")
     b.add_argument("--repeats", type=int, default=5, help="default 5")
     b.add_argument("--forward-only", action="store_true",
-                   help="decode through forward (attention over the whole cache), as ExecuTorch's stock runners "
-                   "do, instead of the program's decode_N methods")
+                   help="prefill and decode through forward (attention over the whole cache), as ExecuTorch's "
+                   "stock runners do, instead of the program's forward_ctx")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -379,33 +378,16 @@ def cmd_eval_pte(args) -> int:
     return 0
 
 
-def _decode_windows(spec: str, max_seq_len: int, ops: str) -> list[int]:
-    from .export.lower import check_windows, decode_windows
-
-    if spec == "auto":
-        return decode_windows(max_seq_len, ops)
-    if spec == "none":
-        return []
-    if ops != "portable":
-        raise SpinQuantError("--decode-windows needs --ops portable (et-llama attention already stops at the context)")
-    try:
-        windows = [int(w) for w in spec.split(",")]
-    except ValueError:
-        raise SpinQuantError(f"--decode-windows takes auto, none or comma-separated integers, got {spec!r}") from None
-    return check_windows(windows, max_seq_len)
-
-
 def cmd_export(args) -> int:
     from pathlib import Path
 
     from .export.pipeline import export, refuse_existing_outputs
 
-    windows = _decode_windows(args.decode_windows, args.max_seq_len, args.ops)
     refuse_existing_outputs(Path(args.out), args.force)
     is_checkpoint = Path(args.model, "recipe.json").is_file()  # exported as it is: its own recipe
     _preflight(args, None if is_checkpoint else _recipe(args))
     result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops, args.calib_text,
-                    windows)
+                    args.ctx_method and args.ops == "portable")
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")
@@ -546,7 +528,7 @@ def cmd_bench(args) -> int:
 
     model = PteModel(args.pte)
     if args.forward_only:
-        model.decode_windows = []
+        model.has_ctx = False
     tokenizer = _tokenizer_for(args.pte, args.tokenizer)
     if args.prompt_tokens:
         from .data import builtin_text, tokenize
@@ -561,7 +543,7 @@ def cmd_bench(args) -> int:
     summary = {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in rows.items()}
     rss = peak_rss_mib()  # the whole process: Python, torch and the program
     if args.json:
-        print(json.dumps({"pte": args.pte, "decode_windows": model.decode_windows, "prompt_tokens": len(ids),
+        print(json.dumps({"pte": args.pte, "forward_ctx": model.has_ctx, "prompt_tokens": len(ids),
                           "new_tokens": args.max_new_tokens,
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **summary, "peak_rss_mib": rss}))
     else:

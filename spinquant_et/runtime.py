@@ -20,7 +20,8 @@ from .errors import SpinQuantError
 
 log = logging.getLogger(__name__)
 
-DECODE_PREFIX = "decode_"  # decode_<n>: a one-token method attending to the first n cache positions
+# forward_ctx(tokens, input_pos, ctx): forward whose attention reads the cache's first len(ctx) positions
+CTX_METHOD = "forward_ctx"
 
 
 def limit_omp_threads() -> None:
@@ -86,9 +87,7 @@ class PteModel:
                 "re-export with --ops portable"
             )
         self.max_seq_len = int(self._meta("get_max_seq_len", 128))
-        # decode_<n> methods (see export.lower): one token attending to the cache's first n positions
-        self.decode_windows = sorted(int(name[len(DECODE_PREFIX):]) for name in self.program.method_names
-                                     if name.startswith(DECODE_PREFIX) and name[len(DECODE_PREFIX):].isdigit())
+        self.has_ctx = CTX_METHOD in self.program.method_names
         eos = self._meta("get_eos_ids", [])
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.bos_id = self._meta("get_bos_id", None)
@@ -109,12 +108,12 @@ class PteModel:
                 f"{pos + len(tokens)} tokens exceed the program's context of {self.max_seq_len}; "
                 "shorten the prompt or re-export with a larger --max-seq-len"
             )
-        method = self.method
-        if len(tokens) == 1:
-            window = next((w for w in self.decode_windows if w > pos), None)
-            if window is not None:
-                method = self.program.load_method(f"{DECODE_PREFIX}{window}")  # cached by the program
-        out = method.execute([torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)])
+        method, inputs = self.method, [torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)]
+        if self.has_ctx and pos + len(tokens) < self.max_seq_len:  # the very last position: forward
+            # attention over the filled context only; its length is the third input's
+            method = self.program.load_method(CTX_METHOD)  # cached by the program
+            inputs.append(torch.zeros(pos + len(tokens)))
+        out = method.execute(inputs)
         return out[0].reshape(-1)
 
 

@@ -85,14 +85,12 @@ def tiny_ckpt(tiny_hf_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_pte(tiny_ckpt, tmp_path_factory):
-    """``tiny_ckpt`` lowered (portable ops), tokenizer.json beside it, with decode methods for the first
-    16 and 32 positions (so a short generation crosses from one to the next, then to ``forward``).
+    """``tiny_ckpt`` lowered (portable ops: ``forward`` and ``forward_ctx``), tokenizer.json beside it.
     Lowering takes ~40 s: shared."""
     from spinquant_et.cli import main
 
     out = tmp_path_factory.mktemp("pte") / "tiny.pte"
-    assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(TINY_MAX_SEQ), "--decode-windows", "16,32",
-                 "--out", str(out)]) == 0
+    assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(TINY_MAX_SEQ), "--out", str(out)]) == 0
     return out
 
 

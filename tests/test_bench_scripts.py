@@ -75,7 +75,7 @@ def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
              tmp_path)
     assert "llama.cpp row skipped" in r.stdout
     base, rotated = _cells(r.stdout, "8da4w"), _cells(r.stdout, "8da4w + R1-R4")
-    forward_only = _cells(r.stdout, "8da4w + R1-R4, forward only")  # the same file, decoding as stock runners do
+    forward_only = _cells(r.stdout, "8da4w + R1-R4, forward only (stock runners)")  # the same file, decoding as stock runners do
     cols = _cells(r.stdout, "runtime, file")
     assert base[cols.index("decode vs 8da4w")] == "1.000"
     assert forward_only[cols.index("size MiB")] == rotated[cols.index("size MiB")]
@@ -142,7 +142,7 @@ def test_profile_pte_accounts_for_the_decode_time(tiny_pte, tmp_path):
     """The per-operator table of a tiny .pte: its quantized linears are there with one call per
     linear and token (2 layers x q, k, v, o, gate+up stacked, down), and the rows add up to no more
     than the whole method's time."""
-    for flags in ([], ["--forward-only"]):  # decode_16 (the prompt's call is forward's), or forward throughout
+    for flags in ([], ["--forward-only"]):  # forward_ctx throughout, or forward throughout
         r = _run([str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--prompt-tokens", "8", "--steps", "4", *flags],
                  tmp_path)
         rows = {}

@@ -122,9 +122,9 @@ def test_hub_id_without_a_hub_is_a_clear_error(capsys, monkeypatch):
 
 def test_cli_default_context_matches_the_export_default():
     from spinquant_et import cli
-    from spinquant_et.export import pipeline
+    from spinquant_et.export import build
 
-    assert cli.DEFAULT_MAX_SEQ_LEN == pipeline.DEFAULT_MAX_SEQ_LEN
+    assert cli.DEFAULT_MAX_SEQ_LEN == build.DEFAULT_MAX_SEQ_LEN
 
 
 def _readme_commands() -> list[list[str]]:

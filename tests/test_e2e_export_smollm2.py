@@ -25,9 +25,8 @@ def smollm2_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
     qm = quantize(load_model("smollm2-135m"), RECIPE, progress=False)
     ckpt = save_quantized(qm, root / "ckpt")
-    # one decode method (the default adds decode_512 too: one more lowering, minutes in CI): decoding
-    # crosses from decode_128 to forward in the 256-token windows below
-    result = export(str(ckpt), None, root / "smollm2.pte", max_seq_len=512, windows=[128])
+    # forward and forward_ctx (our runtime's): every token of the windows below goes through forward_ctx
+    result = export(str(ckpt), None, root / "smollm2.pte", max_seq_len=512)
     return ckpt, result
 
 

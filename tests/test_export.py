@@ -52,7 +52,7 @@ def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
     from spinquant_et.runtime import PteModel
 
     pte = PteModel(tiny_pte)
-    assert pte.max_seq_len == MAX_SEQ and pte.decode_windows == [16, 32]  # decoding below crosses from one to the other
+    assert pte.max_seq_len == MAX_SEQ and pte.has_ctx  # every call below goes through forward_ctx
     model, _ = _eager_transformer(tiny_ckpt)
     x = torch.randint(0, 384, (1, 20)).tolist()[0]
     with torch.no_grad():
@@ -173,14 +173,14 @@ def test_export_straight_from_a_float_model(tiny_hf_dir, tmp_path):
     pte = PteModel(out)
     ids, stats = generate(pte, [5, 6, 7, 8], 8, stop_at_eos=False)
     assert len(ids) == 8 and stats.prompt_tokens == 4
-    # the default windows here: decode_64 alone, the whole cache; its steps compute what forward's do
-    assert pte.decode_windows == [64]
+    # forward_ctx (attention over the filled context) computes what forward (the whole cache) does
+    assert pte.has_ctx
     x = [5, 6, 7, 8, *ids]
-    by_decode = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
-    pte.decode_windows = []
+    by_ctx = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
+    pte.has_ctx = False
     by_forward = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
-    assert ((by_decode - by_forward).norm() / by_forward.norm()).item() < 0.03
-    assert torch.equal(by_decode.argmax(-1), by_forward.argmax(-1))
+    assert ((by_ctx - by_forward).norm() / by_forward.norm()).item() < 1e-4
+    assert torch.equal(by_ctx.argmax(-1), by_forward.argmax(-1))
     assert json.loads((tmp_path / "direct.recipe.json").read_text())["rotation"] == "hadamard"
 
 
@@ -224,9 +224,10 @@ def test_et_llama_ops_refuse_an_int8_kv_cache(tiny_ckpt, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kv_bits", [8, 16])
-def test_a_decode_window_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_bits):
-    """decode_<n> attends to the first n cache positions only: while the context fits, the positions
-    it skips are masked out anyway, so its logits are the whole-cache step's (float or int8 cache)."""
+def test_attention_over_the_filled_context_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_bits):
+    """forward_ctx's attention reads the cache's first len(ctx) positions only: the positions it skips
+    are masked out anyway, so prefill and decode give the whole-cache logits (float or int8 cache),
+    also when len(ctx) is more than the filled context."""
     from spinquant_et.models import load_model
     from spinquant_et.quantize import quantize
 
@@ -235,33 +236,30 @@ def test_a_decode_window_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_
     model = build_transformer(qm.checkpoint_tensors(), loaded.model.config, loaded.arch, qm.recipe, MAX_SEQ)
     x = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(1))
     logits = {}
-    # each step takes the smallest window that holds it, as the runners do; MAX_SEQ: the whole cache, no slice
-    for windows in ((), (16, 40), (16, MAX_SEQ), (MAX_SEQ,)):
-        model.window = None
+    for extra in (None, 0, 7):  # whole cache; exactly the filled context; 7 positions more
+        def ctx(filled):
+            return None if extra is None else torch.zeros(filled + extra)
+
         with torch.no_grad():
-            model(x[None, :10], torch.tensor([0]))  # prefill through forward, as runners do
-            steps = []
-            for t in range(10, 40):
-                model.window = next((w for w in windows if w > t), None)
-                steps.append(model(x[None, t : t + 1], torch.tensor([t]))[0])
-        logits[windows] = torch.stack(steps)
-    model.window = None
-    for windows in ((16, 40), (16, MAX_SEQ), (MAX_SEQ,)):
-        assert torch.allclose(logits[windows], logits[()], rtol=1e-4, atol=1e-4)
+            steps = [model(x[None, :10], torch.tensor([0]), ctx(10))[0]]
+            steps += [model(x[None, t : t + 1], torch.tensor([t]), ctx(t + 1))[0] for t in range(10, 40)]
+        logits[extra] = torch.stack(steps)
+    for extra in (0, 7):
+        assert torch.allclose(logits[extra], logits[None], rtol=1e-4, atol=1e-4)
 
 
-def test_decode_windows_default_and_flag_errors(tiny_ckpt, tmp_path, capsys):
-    from spinquant_et.export.lower import decode_windows
+def test_forward_only_program_and_the_default_context(tiny_ckpt, tmp_path):
+    """--forward-only leaves forward_ctx out (our runtime then runs every step through forward); the
+    default --max-seq-len is 2048, or the model's limit (512 here) where that is shorter."""
+    from spinquant_et.runtime import PteModel, generate
 
-    assert decode_windows(512) == [128, 512] and decode_windows(4096) == [128, 512, 2048, 4096]
-    assert decode_windows(96) == [96] and decode_windows(512, "et-llama") == []
     out = tmp_path / "x.pte"
-    for flags, message in ((["--decode-windows", "0,16"], "--decode-windows must be in 1..96"),
-                           (["--decode-windows", "16,big"], "--decode-windows takes auto, none or comma-separated"),
-                           (["--decode-windows", "16", "--ops", "et-llama"], "--decode-windows needs --ops portable")):
-        assert main(["export", "--model", str(tiny_ckpt), "--max-seq-len", str(MAX_SEQ), *flags, "--out", str(out)]) == 2
-        assert message in capsys.readouterr().err
-    assert not out.exists()
+    assert main(["export", "--model", str(tiny_ckpt), "--forward-only", "--out", str(out)]) == 0
+    pte = PteModel(out)
+    assert not pte.has_ctx and "forward_ctx" not in pte.program.method_names and pte.max_seq_len == 512
+    assert json.loads((tmp_path / "x.recipe.json").read_text())["methods"] == ["forward"]
+    ids, _ = generate(pte, [5, 6, 7], 4, stop_at_eos=False)
+    assert len(ids) == 4
 
 
 def test_int4_groupwise_lm_head_exports_and_matches_eager(tiny_hf_dir, tmp_path):
@@ -274,7 +272,7 @@ def test_int4_groupwise_lm_head_exports_and_matches_eager(tiny_hf_dir, tmp_path)
     tensors, *_ = _load_checkpoint_dir(ckpt)
     head = tensors["lm_head.weight"]
     assert tensors["lm_head.scales"].shape == (384, 96 // 32) and head.min() >= -8 and head.max() <= 7
-    assert main(["export", "--model", str(ckpt), "--max-seq-len", "32", "--decode-windows", "none",
+    assert main(["export", "--model", str(ckpt), "--max-seq-len", "32", "--forward-only",
                  "--out", str(out)]) == 0
     model, _ = _eager_transformer(ckpt)
     x = torch.randint(0, 384, (12,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -16,7 +16,7 @@ def cli(*args, cwd=None):
 
 
 def test_export_shows_every_stage_and_no_library_noise_unless_verbose(tiny_hf_dir, tmp_path):
-    flags = ["--model", tiny_hf_dir["llama"], "--w-method", "rtn", "--max-seq-len", "32", "--decode-windows", "none"]
+    flags = ["--model", tiny_hf_dir["llama"], "--w-method", "rtn", "--max-seq-len", "32", "--forward-only"]
     quiet = cli("export", *flags, "--out", tmp_path / "a" / "m.pte")
     assert quiet.returncode == 0, quiet.stderr[-3000:]
     for stage in ("quantize weights", "export forward", "decompose forward", "partition forward",

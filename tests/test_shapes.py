@@ -106,7 +106,7 @@ def test_pte_of_a_cut_follows_its_eager_model(like, tmp_path, tiny_tokenizer):
     loaded.model.save_pretrained(src)
     tiny_tokenizer.save_pretrained(src)
     assert main(["quantize", "--model", str(src), "--w-method", "rtn", "--no-clip", "--out", str(ckpt)]) == 0
-    assert main(["export", "--model", str(ckpt), "--max-seq-len", "48", "--decode-windows", "none",
+    assert main(["export", "--model", str(ckpt), "--max-seq-len", "48", "--forward-only",
                  "--out", str(pte_path)]) == 0
     tensors, config, arch, recipe, _ = _load_checkpoint_dir(ckpt)
     eager = build_transformer(tensors, config, arch, recipe, 48)

@@ -210,7 +210,7 @@ int run(const Args& a) {
 
   std::ifstream probe(a.model);
   if (!probe) throw Fail(".pte not found: " + a.model);
-  // share_memory_arenas: the decode_<n> methods read the KV cache that forward writes (one allocation)
+  // share_memory_arenas: forward and forward_ctx read and write one KV cache (one allocation)
   Module module(a.model, Module::LoadMode::MmapUseMlockIgnoreErrors, nullptr, nullptr, nullptr,
                 /*share_memory_arenas=*/true);
   if (module.load() != Error::Ok) throw Fail(a.model + " is not an ExecuTorch program (corrupt or not a .pte); re-export it");
@@ -219,22 +219,16 @@ int run(const Args& a) {
     throw Fail(a.model + ": this runtime lacks operators the program needs (" + missing_operators() +
                "); re-export with --ops portable");
   if (err != Error::Ok) throw Fail(a.model + ": cannot load its forward method (error " + std::to_string(int(err)) + ")");
-  // decode_<n> methods (one token attending to the first n cache positions, the KV cache shared with
-  // forward): each decode step takes the smallest one that holds the context so far.
-  std::vector<std::pair<int64_t, std::string>> decode_methods;
-  if (auto names = module.method_names(); names.ok()) {
-    for (const auto& name : *names) {
-      const std::string prefix = "decode_";
-      if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() ||
-          name.find_first_not_of("0123456789", prefix.size()) != std::string::npos)
-        continue;
-      if (module.load_method(name) != Error::Ok) throw Fail(a.model + ": cannot load its " + name + " method");
-      decode_methods.emplace_back(std::stoll(name.substr(prefix.size())), name);
-    }
+  // forward_ctx(tokens, start_pos, ctx): forward whose attention reads only the cache's first len(ctx)
+  // positions (the filled context); ctx's values are never read, only its length.
+  bool has_ctx = false;
+  if (auto names = module.method_names(); names.ok() && names->count("forward_ctx")) {
+    if (module.load_method("forward_ctx") != Error::Ok) throw Fail(a.model + ": cannot load its forward_ctx method");
+    has_ctx = true;
   }
-  std::sort(decode_methods.begin(), decode_methods.end());
   auto max_len = metadata_ints(module, "get_max_seq_len");
   const int64_t max_seq_len = max_len.empty() ? 128 : max_len[0];
+  std::vector<float> ctx_values(max_seq_len, 0.0f);
   auto eos_list = metadata_ints(module, "get_eos_ids");
   std::set<int64_t> eos(eos_list.begin(), eos_list.end());
 
@@ -267,13 +261,14 @@ int run(const Args& a) {
     int64_t start = pos;
     auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);
     std::string method = "forward";
-    if (input.size() == 1)
-      for (const auto& [window, name] : decode_methods)
-        if (window > pos) {
-          method = name;
-          break;
-        }
-    auto result = module.execute(method, std::vector<EValue>{EValue(*tokens), EValue(*start_pos)});
+    std::vector<EValue> inputs{EValue(*tokens), EValue(*start_pos)};
+    const int64_t filled = pos + static_cast<int64_t>(input.size());
+    auto ctx = from_blob(ctx_values.data(), {static_cast<int>(filled)}, executorch::aten::ScalarType::Float);
+    if (has_ctx && filled < max_seq_len) {  // the very last position goes through forward
+      method = "forward_ctx";
+      inputs.emplace_back(*ctx);
+    }
+    auto result = module.execute(method, inputs);
     if (!result.ok()) throw Fail(method + " failed at position " + std::to_string(pos) + " (error " +
                                  std::to_string(int(result.error())) + ")");
     const auto& logits = result->at(0).toTensor();

@@ -69,6 +69,9 @@ def rope_tables(config, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 OPS = ("portable", "et-llama")
+# The KV cache of a chat-sized context; forward_ctx makes prefill and decode cost what the filled
+# context costs, so a longer cache costs memory, not speed (see export.lower).
+DEFAULT_MAX_SEQ_LEN = 2048
 
 
 def check_ops(ops: str, recipe: QuantRecipe) -> None:
@@ -81,11 +84,14 @@ def check_ops(ops: str, recipe: QuantRecipe) -> None:
 
 
 def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, recipe: QuantRecipe,
-                      max_seq_len: int, ops: str = "portable") -> Transformer:
-    """The exportable model; quantized tensors are used as stored (``<name>.weight`` int8 + ``.scales``)."""
+                      max_seq_len: int | None, ops: str = "portable") -> Transformer:
+    """The exportable model; quantized tensors are used as stored (``<name>.weight`` int8 + ``.scales``).
+    ``max_seq_len`` None: ``DEFAULT_MAX_SEQ_LEN``, or the model's own limit where that is shorter."""
     check_exportable(recipe)
     check_ops(ops, recipe)
     limit = getattr(config, "max_position_embeddings", None)
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, limit or DEFAULT_MAX_SEQ_LEN)
     if limit and max_seq_len > limit:
         raise SpinQuantError(f"--max-seq-len {max_seq_len} is beyond the model's limit of {limit}; use at most {limit}")
     args = ExportArgs(

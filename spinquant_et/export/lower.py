@@ -1,11 +1,12 @@
 """torch.export -> XNNPACK (to_edge_transform_and_lower) -> ``.pte``, with the LLM runner's metadata methods.
 
 Programs hold ``forward`` (any number of tokens, attention over the whole cache: what ExecuTorch's
-stock runners call) and, for the portable ops, ``decode_<n>`` methods: one token, attention over the
-cache's first ``n`` positions, every shape static. All methods share the KV-cache buffers and the
-weights (stored once), so a runner prefills with ``forward`` and decodes each token with the smallest
-``decode_<n>`` that holds the context so far: decode then costs what the filled context costs, not
-``--max-seq-len``, and XNNPACK never re-plans a static graph.
+stock runners call) and, for the portable ops, ``forward_ctx(tokens, input_pos, ctx)``: the same, but
+attention reads only the cache's first ``len(ctx)`` positions. The length comes from an input's shape,
+so torch.export makes it a backed dynamic size that XNNPACK delegates (derived from ``input_pos`` it
+would be unbacked, which XNNPACK's partitioner refuses). Both methods share the KV-cache buffers and
+the weights (stored once); our runners prefill and decode through ``forward_ctx`` with ``len(ctx)`` =
+the filled context, so prefill and decode cost what the context costs, not ``--max-seq-len``.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import SpinQuantError
 from ..io import atomic_output_file
-from ..runtime import DECODE_PREFIX
+from ..runtime import CTX_METHOD
 from .model import Transformer
 
 log = logging.getLogger(__name__)
@@ -44,47 +44,22 @@ def metadata_methods(model: Transformer, bos_id: int | None, eos_ids: list[int])
     return meta
 
 
-MIN_DECODE_WINDOW = 128
-WINDOW_GROWTH = 4  # each lowered method costs export time (~ one more lowering); 4x keeps attention within 4x the context
-
-
-def decode_windows(max_seq_len: int, ops: str = "portable") -> list[int]:
-    """The default ``decode_<n>`` windows: 128, 512, 2048, ... below ``max_seq_len``, and
-    ``max_seq_len`` itself (so every decode step runs a static graph). None for et-llama programs
-    (their attention already stops at the current position)."""
-    if ops != "portable":
-        return []
-    windows, n = [], MIN_DECODE_WINDOW
-    while n < max_seq_len:
-        windows.append(n)
-        n *= WINDOW_GROWTH
-    return windows + [max_seq_len]
-
-
-def check_windows(windows: list[int], max_seq_len: int) -> list[int]:
-    """``windows`` sorted and unique, each within ``1 .. max_seq_len`` (else a one-line error)."""
-    windows = sorted(set(windows))
-    if any(not 1 <= w <= max_seq_len for w in windows):
-        raise SpinQuantError(f"--decode-windows must be in 1..{max_seq_len} (--max-seq-len), got "
-                             f"{','.join(map(str, windows))}")
-    return windows
-
-
-def export_program(model: Transformer, window: int | None = None):
-    """``torch.export`` of ``forward`` with a dynamic token count ``1 .. max_seq_len - 1`` or, with
-    ``window``, of a one-token decode step attending to the cache's first ``window`` positions."""
+def export_program(model: Transformer, ctx: bool = False):
+    """``torch.export`` of ``forward`` with a dynamic token count ``1 .. max_seq_len - 1``; with ``ctx``,
+    of ``forward_ctx``: the same plus a dynamic context length ``1 .. max_seq_len - 1`` (the length of a
+    third input) that attention reads."""
     max_t = model.args.max_seq_len - 1
+    tokens = torch.zeros(1, min(4, max_t), dtype=torch.long)
     pos = torch.tensor([0], dtype=torch.long)
-    model.window = window
-    try:
-        with torch.no_grad():
-            if window is not None:
-                return torch.export.export(model, (torch.zeros(1, 1, dtype=torch.long), pos), strict=False)
-            tokens = torch.zeros(1, min(4, max_t), dtype=torch.long)
-            seq = torch.export.Dim("seq_len", min=1, max=max_t)
+    seq = torch.export.Dim("seq_len", min=1, max=max_t)
+    with torch.no_grad():
+        if not ctx:
             return torch.export.export(model, (tokens, pos), dynamic_shapes=({1: seq}, None), strict=False)
-    finally:
-        model.window = None
+        # The context may not reach max_seq_len: at that length the slice is the whole cache and
+        # torch.export specializes it away; runners run the very last position through forward.
+        length = torch.export.Dim("ctx_len", min=1, max=max_t)
+        return torch.export.export(model, (tokens, pos, torch.zeros(min(8, max_t))),
+                                   dynamic_shapes=({1: seq}, None, {0: length}), strict=False)
 
 
 class _Stages:
@@ -143,16 +118,15 @@ def _reporting_partitioner(method: str, stages: _Stages, last: bool):
 
 
 def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: bool = False,
-                 windows: list[int] | None = None, progress: bool = True) -> dict[str, float]:
-    """Export ``forward`` (+ a ``decode_<n>`` method per window), lower to XNNPACK and write ``out``
+                 ctx_method: bool = False, progress: bool = True) -> dict[str, float]:
+    """Export ``forward`` (and ``forward_ctx`` with ``ctx_method``), lower to XNNPACK and write ``out``
     atomically. Returns seconds per phase."""
-    windows = check_windows(windows or [], model.args.max_seq_len)
-    names = ["forward"] + [f"{DECODE_PREFIX}{w}" for w in windows]
+    names = ["forward"] + ([CTX_METHOD] if ctx_method else [])
     stages = _Stages(3 * len(names) + 2, progress)
 
     times = {}
     try:
-        _lower(model, out, metadata, force, windows, names, stages, times)
+        _lower(model, out, metadata, force, names, stages, times)
     except BaseException:
         stages.close(finished=False)
         raise
@@ -160,7 +134,7 @@ def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: boo
     return times
 
 
-def _lower(model, out, metadata, force, windows, names, stages, times) -> None:
+def _lower(model, out, metadata, force, names, stages, times) -> None:
     import executorch.kernels.quantized  # noqa: F401  (out-variants of the int8 KV cache's per-token ops)
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -169,9 +143,9 @@ def _lower(model, out, metadata, force, windows, names, stages, times) -> None:
     with atomic_output_file(out, force) as tmp:
         t0 = time.perf_counter()
         programs = {}
-        for name, window in zip(names, [None, *windows], strict=True):
+        for name in names:
             stages.start(f"export {name}")
-            programs[name] = export_program(model, window)
+            programs[name] = export_program(model, ctx=name == CTX_METHOD)
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         edge = to_edge_transform_and_lower(
@@ -186,9 +160,9 @@ def _lower(model, out, metadata, force, windows, names, stages, times) -> None:
         et_program = edge.to_executorch(ExecutorchBackendConfig(
             sym_shape_eval_pass=ConstraintBasedSymShapeEvalPass(),
             run_reinplace_pass=True,  # KV cache writes in place, not a copy of the whole cache per token
-            # one KV cache for all methods: what forward writes, decode_<n> reads
-            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=bool(windows)),
-            emit_mutable_buffer_names=bool(windows),
+            # one KV cache for both methods: what either writes, the other reads
+            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(names) > 1),
+            emit_mutable_buffer_names=len(names) > 1,
         ))
         tmp.write_bytes(et_program.buffer)
         times["serialize"] = time.perf_counter() - t0

@@ -187,11 +187,12 @@ class KVCache(nn.Module):
         return torch.ops.quantized_decomposed.dequantize_per_token(q, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8,
                                                                    torch.float32)
 
-    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None):
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None):
         """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return the cache's first ``window``
-        positions (all of them if None), dequantized when int8: only what attention reads."""
-        def read(t):  # the program copies a slice (alias_copy even for [:, :max]): none for the whole cache
-            return t if window is None or window >= t.shape[1] else t[:, :window]
+        positions (all of them if None; forward_ctx's symbolic context length), dequantized when int8:
+        only what attention reads."""
+        def read(t):  # the program copies these positions out of the cache (cost follows the context)
+            return t if window is None else t.narrow(1, 0, window)
 
         if not self.quantized:
             self.k[:, pos] = k
@@ -226,7 +227,7 @@ class Attention(nn.Module):
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + F.linear(x, self.rot_half) * sin
 
-    def forward(self, x, cos, sin, pos, mask, window: int | None = None):
+    def forward(self, x, cos, sin, pos, mask, window=None):
         if self.args.ops == "et-llama":
             return self._forward_et_llama(x, cos, sin, pos)
         a = self.args
@@ -313,7 +314,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention, self.feed_forward = attention, feed_forward
 
-    def forward(self, x, cos, sin, pos, mask, window: int | None = None):
+    def forward(self, x, cos, sin, pos, mask, window=None):
         x = x + self.attention(self.attention_norm(x), cos, sin, pos, mask, window)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -329,19 +330,21 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("cos", cos, persistent=False)  # [max_seq, head_dim]
         self.register_buffer("sin", sin, persistent=False)
-        # When set (an int), ``forward`` attends to the cache's first ``window`` positions only: a decode
-        # method exported with it has static shapes and costs what the filled context costs.
-        self.window: int | None = None
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits after ``tokens`` at positions ``input_pos[0] ..``. With ``ctx`` (any tensor whose length
+        is the filled context, ``input_pos[0] + t`` or more), attention reads only the cache's first
+        ``len(ctx)`` positions: exported with that length dynamic, it is a backed size, which XNNPACK
+        delegates (a length read from ``input_pos`` would be unbacked, which it refuses)."""
         t = tokens.shape[1]
+        window = None if ctx is None else ctx.shape[0]
         pos = input_pos[0] + torch.arange(t, dtype=torch.long)
         cos, sin = self.cos[pos], self.sin[pos]
         # The causal mask is computed, not stored: a [max_seq, max_seq] constant would be 16 MB at 2048.
-        cols = torch.arange(self.args.max_seq_len if self.window is None else self.window)
+        cols = torch.arange(self.args.max_seq_len if window is None else window)
         mask = torch.where(cols[None, :] <= pos[:, None], 0.0, float("-inf"))
         mask = mask.repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # rows match the GQA fold
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, pos, mask, self.window)
+            x = layer(x, cos, sin, pos, mask, window)
         return self.output(self.norm(x[:, -1, :]))

@@ -13,11 +13,10 @@ from ..errors import SpinQuantError
 from ..io import usual_mode
 from ..recipe import QuantRecipe
 from .build import build_transformer, check_exportable, check_ops
-from .lower import decode_windows, lower_to_pte, metadata_methods
+from .lower import lower_to_pte, metadata_methods
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_SEQ_LEN = 512
 
 
 @dataclass
@@ -99,11 +98,11 @@ def chat_prefix_suffix(tokenizer) -> tuple[str, str] | None:
     return prefix, suffix
 
 
-def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int = DEFAULT_MAX_SEQ_LEN,
+def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int | None = None,
            force: bool = False, ops: str = "portable", calib_text: str | None = None,
-           windows: list[int] | None = None) -> ExportResult:
-    """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``
-    with a ``decode_<n>`` method per window (default: ``decode_windows(max_seq_len, ops)``; [] for none)."""
+           ctx_method: bool | None = None) -> ExportResult:
+    """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``,
+    with ``forward_ctx`` beside ``forward`` (default: for the portable ops; see ``lower``)."""
     out = Path(out)
     refuse_existing_outputs(out, force)
     seconds: dict[str, float] = {}
@@ -139,15 +138,16 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
     seconds["build"] = time.perf_counter() - t0
     bos = tokenizer.bos_token_id
-    windows = decode_windows(max_seq_len, ops) if windows is None else windows
+    ctx_method = ops == "portable" if ctx_method is None else ctx_method
     meta = metadata_methods(transformer, bos, eos_ids(tokenizer, config))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.files.") as staging:
         staging = Path(staging)
         stage_tokenizer(tokenizer, staging)  # before the long lowering: a tokenizer problem fails fast
-        sidecar = {**json.loads(recipe.to_json()), "max_seq_len": max_seq_len, "ops": ops, "decode_windows": windows}
+        sidecar = {**json.loads(recipe.to_json()), "max_seq_len": transformer.args.max_seq_len, "ops": ops,
+                   "methods": ["forward"] + (["forward_ctx"] if ctx_method else [])}
         (staging / f"{out.stem}.recipe.json").write_text(json.dumps(sidecar, indent=2))
-        seconds.update(lower_to_pte(transformer, out, meta, force, windows))
+        seconds.update(lower_to_pte(transformer, out, meta, force, ctx_method))
         written = {f.name for f in staging.iterdir()}
         for f in staging.iterdir():
             usual_mode(f)
