@@ -38,6 +38,7 @@ VARIANTS = {  # name: `spinquant-et export` flags
     "8da4w + R1-R4": ["--rotation", "hadamard"],
     "8da4w + R1-R4, int8 KV cache": ["--rotation", "hadamard", "--kv-bits", "8"],
     "8da4w + R1-R4, 256-position cache": ["--rotation", "hadamard", "--max-seq-len", "256"],  # overrides --max-seq-len
+    "8da4w + R1-R4, int4 lm_head": ["--rotation", "hadamard", "--lm-head-bits", "4"],
     "8da4w + R1-R4, et-llama ops": ["--rotation", "hadamard", "--ops", "et-llama"],
 }
 BASELINE = "8da4w"
@@ -107,7 +108,7 @@ def measure_llama_cpp(gguf: str, ids: list[int], new_tokens: int, repeats: int, 
             return params
 
         low_level.llama_model_default_params = without_extra_bufts
-    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=max(512, len(ids)), n_threads=THREADS, n_threads_batch=THREADS,
+    llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=n_ctx, n_threads=THREADS, n_threads_batch=THREADS,
                 verbose=False)
 
     def run(prompt: list[int], n: int) -> tuple[float, float, float]:
@@ -159,7 +160,7 @@ def gguf_of(model: str) -> str | None:
     return model if model.endswith(".gguf") and Path(model).is_file() else None
 
 
-def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: int) -> dict[str, float]:
+def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: int, w_method: str) -> dict[str, float]:
     """``spinquant-et export`` for each ``{variant: pte}``, ``parallel`` processes at a time (lowering is
     single-threaded Python, so two exports on two cores take about the time of one). Seconds per variant."""
     from concurrent.futures import ThreadPoolExecutor
@@ -167,7 +168,7 @@ def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: in
     def one(name: str) -> float:
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "spinquant_et.cli", "export", "--model", model, "--max-seq-len", str(max_seq_len),
-               *VARIANTS[name], "--out", str(jobs[name]), "--force"]  # a variant's own --max-seq-len comes last: it wins
+               "--w-method", w_method, *VARIANTS[name], "--out", str(jobs[name]), "--force"]  # a variant's own flags win
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"error: export of {name} failed:\n{r.stderr[-2000:]}")
@@ -235,6 +236,9 @@ def main() -> None:
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), help=f"these .pte variants (and {BASELINE}; default: all)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row")
     p.add_argument("--parallel-exports", type=int, default=2, help="exports running at once (default 2)")
+    p.add_argument("--w-method", choices=["rtn", "gptq"], default="rtn",
+                   help="how the 4-bit weights are chosen (default rtn: speed and size do not depend on their values, "
+                   "and GPTQ adds about 12 minutes per variant on 2 cores)")
     p.add_argument("--measure-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)  # the child process of that row
     p.add_argument("--ids", help=argparse.SUPPRESS)
     p.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
@@ -255,7 +259,7 @@ def main() -> None:
              and args.prompt_tokens + args.new_tokens <= seq_len_of(n, args.max_seq_len)]
     ptes = {n: out_dir / (re.sub(r"[^\w]+", "_", n).strip("_") + f"-{args.max_seq_len}.pte") for n in names}
     todo = {n: p for n, p in ptes.items() if not (args.reuse and p.exists())}
-    export_s = export_all(args.model, todo, args.max_seq_len, args.parallel_exports) if todo else {}
+    export_s = export_all(args.model, todo, args.max_seq_len, args.parallel_exports, args.w_method) if todo else {}
     # the prompt every row gets: the first tokens of the built-in held-out text
     tokenizer = _load_tokenizer(str(out_dir))
     ids = tokenize(tokenizer, builtin_text("test"))[: args.prompt_tokens].tolist()
@@ -303,7 +307,7 @@ def main() -> None:
 
     print_table(rows, f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens (greedy, no EOS stop), "
                       f"max_seq_len {args.max_seq_len}, {THREADS} threads, median of {args.rounds} interleaved rounds x "
-                      f"{args.repeats} runs; export s is wall time "
+                      f"{args.repeats} runs; weights by {args.w_method}; export s is wall time "
                       f"with {args.parallel_exports} exports at once; {llama_note}; "
                       f"whole run {(time.perf_counter() - t_start) / 60:.1f} min")
     print_checks(rows)

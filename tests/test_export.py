@@ -248,6 +248,14 @@ def test_attention_over_the_filled_context_computes_what_the_whole_cache_compute
         assert torch.allclose(logits[extra], logits[None], rtol=1e-4, atol=1e-4)
 
 
+def test_runners_take_forward_ctx_for_prompts_and_for_decode_up_to_half_the_cache():
+    from spinquant_et.runtime import use_ctx_method
+
+    assert use_ctx_method(100, 100, 2048) and use_ctx_method(1500, 1500, 2048)  # prompts: the copy is shared
+    assert use_ctx_method(1, 1024, 2048) and not use_ctx_method(1, 1025, 2048)  # decode: up to half the cache
+    assert not use_ctx_method(2, 2048, 2048)  # the very last position: forward's
+
+
 def test_forward_only_program_and_the_default_context(tiny_ckpt, tmp_path):
     """--forward-only leaves forward_ctx out (our runtime then runs every step through forward); the
     default --max-seq-len is 2048, or the model's limit (512 here) where that is shorter."""

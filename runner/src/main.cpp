@@ -264,7 +264,9 @@ int run(const Args& a) {
     std::vector<EValue> inputs{EValue(*tokens), EValue(*start_pos)};
     const int64_t filled = pos + static_cast<int64_t>(input.size());
     auto ctx = from_blob(ctx_values.data(), {static_cast<int>(filled)}, executorch::aten::ScalarType::Float);
-    if (has_ctx && filled < max_seq_len) {  // the very last position goes through forward
+    // as spinquant_et.runtime.use_ctx_method: forward_ctx copies the filled K/V out of the cache, so a
+    // decode step past half the cache (and the very last position) runs through forward
+    if (has_ctx && filled < max_seq_len && (input.size() > 1 || 2 * filled <= max_seq_len)) {
       method = "forward_ctx";
       inputs.emplace_back(*ctx);
     }
