@@ -30,6 +30,13 @@ through its KV cache, as a runner would use it.
 
 ``--lm-eval TASKS``: zero-shot accuracy of every eager fake-quant cell (and FP) through
 lm-eval's API; needs ``pip install lm-eval`` and its datasets (from the hub or a local cache).
+
+``--peers``: llm-compressor on the same float model and the same calibration and held-out tokens:
+its SpinQuant-style rotations (R1, R2, R4; ``random-hadamard``) and its GPTQ at W4A8 g32 and W4A16
+g32 (fake-quant perplexity), next to ours (Hadamard R1-R4 + GPTQ) at the same bits. llm-compressor
+pins other versions of transformers than ours, so it runs in its own virtual environment under
+``--peer-dir`` (created on first use: ``pip install torch==<ours> llmcompressor==LLMCOMPRESSOR``);
+where it cannot be installed or run, the table says why in one line.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ PRESETS = {
         ("W4A8 g32, float embeddings and lm_head", dict(a_bits=8, embedding_bits=16, lm_head_bits=16)),
     ],
 }
+LLMCOMPRESSOR = "0.14.0.1"  # the release measured; its own venv (its transformers pin is not ours)
 PTE_ROW = "W4A8 g32"  # the recipe XNNPACK runs (8da4w); its cells can get a .pte row
 DEFAULT_PTE_COLUMNS = "hadamard-gptq,learned-gptq"  # the recipes we recommend shipping
 
@@ -152,6 +160,10 @@ def main() -> None:
     p.add_argument("--lm-eval-limit", type=int, default=None, help="examples per task (default: all)")
     p.add_argument("--lm-eval-include", metavar="DIR", help="a folder of extra lm-eval task YAMLs (local datasets)")
     p.add_argument("--json-out", help="also write the numbers as JSON (input of `spinquant-et report --quality`)")
+    p.add_argument("--peers", action="store_true", help="also llm-compressor's rotations + GPTQ (W4A8, W4A16 g32) in "
+                   "its own venv, next to ours at the same bits")
+    p.add_argument("--peer-dir", default="bench_peers", help="where the peers' venvs live (default bench_peers)")
+    p.add_argument("--peers-only", action="store_true", help="FP and the peer table only (implies --peers)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     log = logging.getLogger("bench")
@@ -197,7 +209,7 @@ def main() -> None:
         return f"{ppl:.2f} ({ppl / fp:.3f}x)" if args.preset != "sweep" else f"{ppl:.2f}"
 
     exports: dict[str, BackgroundPte] = {}
-    for name, kw in PRESETS[args.preset]:
+    for name, kw in [] if args.peers_only else PRESETS[args.preset]:
         ppl_row = results["ppl"].setdefault(name, {})
         for col, _, rotation, method in cols:
             t0 = time.perf_counter()
@@ -243,10 +255,84 @@ def main() -> None:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(results, indent=2))
 
+    if args.peers or args.peers_only:
+        peer_table(base, windows, args, fp, results)
+        if args.json_out:
+            Path(args.json_out).write_text(json.dumps(results, indent=2))
+
     if lm_eval_tasks:
         limit = f", at most {args.lm_eval_limit} examples per task" if args.lm_eval_limit else ""
         print(f"\nzero-shot accuracy (lm-eval{limit}):\n\n" + lm_eval_table(results["lm_eval"]))
     print(f"\nwhole run {(time.perf_counter() - t_start) / 60:.1f} min", flush=True)
+
+
+def peer_venv(root: Path) -> Path:
+    """llm-compressor's own venv (created once): CPU torch of our version first, so pip keeps it."""
+    venv = root / "llmcompressor"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"creating {venv} (llmcompressor=={LLMCOMPRESSOR}; minutes)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+        subprocess.run([*pip, f"llmcompressor=={LLMCOMPRESSOR}"], check=True)
+    return python
+
+
+def peer_table(base, windows, args, fp: float, results: dict) -> None:
+    """llm-compressor (rotations + GPTQ) against ours (Hadamard + GPTQ), W4A8 and W4A16 g32, same tokens."""
+    from spinquant_et.data import calibration_windows
+
+    calib = calibration_windows(base.tokenizer, None, args.seq_len, args.calib_samples, QuantRecipe().seed)
+    ours = {}
+    for a_bits in (8, 16):
+        t0 = time.perf_counter()
+        qm = quantize(copy.deepcopy(base), QuantRecipe(rotation="hadamard", w_method="gptq", a_bits=a_bits,
+                                                       calib_samples=args.calib_samples, calib_seq_len=args.seq_len),
+                      progress=False)
+        ours[a_bits] = (token_stats(qm.loaded.model, windows, progress=False).perplexity, time.perf_counter() - t0)
+        del qm
+    peer, reason = {}, None
+    try:
+        python = peer_venv(Path(args.peer_dir))
+        with tempfile.TemporaryDirectory() as tmp:
+            base.model.save_pretrained(Path(tmp) / "fp")
+            base.tokenizer.save_pretrained(Path(tmp) / "fp")
+            (Path(tmp) / "tokens.json").write_text(json.dumps({"calib": calib.tolist(), "eval": windows.tolist()}))
+            r = subprocess.run([str(python), str(Path(__file__).parent / "peers" / "llmcompressor_quality.py"),
+                                "--model", str(Path(tmp) / "fp"), "--tokens", str(Path(tmp) / "tokens.json")],
+                               capture_output=True, text=True)
+        for line in r.stdout.splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                peer[row["scheme"]] = row
+        if r.returncode != 0:
+            reason = (r.stderr.strip().splitlines() or ["no output"])[-1]
+    except (subprocess.CalledProcessError, OSError) as e:
+        reason = f"could not install llmcompressor=={LLMCOMPRESSOR} in its own venv: {e}"
+    results["peers"] = {"llm-compressor": peer, "ours": {f"W4A{b} g32": v[0] for b, v in ours.items()},
+                        "reason": reason}
+
+    def cell(row: dict | None, key: str = "perplexity") -> str:
+        return "-" if row is None else f"{row[key]:.2f} ({row[key] / fp:.3f}x)"
+
+    version = peer.get("FP", {}).get("version", LLMCOMPRESSOR)
+    print(f"\nllm-compressor {version} next to ours, same float model and tokens ({args.calib_samples} x {args.seq_len} "
+          f"calibration, {windows.shape[0]} x {args.seq_len} held-out; int4 symmetric groups of 32, per-token "
+          "asymmetric int8 activations):\n")
+    print("| W4 g32, rotations + GPTQ | ours: Hadamard R1-R4, GPTQ aimed at the float model | llm-compressor: "
+          "SpinQuantModifier R1 R2 R4 (random-hadamard) + GPTQModifier |\n|---|---|---|")
+    print(f"| FP (each one's own forward) | {fp:.2f} | " + (f"{peer['FP']['perplexity']:.2f}" if "FP" in peer else "-")
+          + " |")
+    for a_bits in (16, 8):
+        name = f"W4A{a_bits} g32"
+        ppl, secs = ours[a_bits]
+        theirs = peer.get(name)
+        print(f"| {name} | {ppl:.2f} ({ppl / fp:.3f}x), {secs:.0f} s | "
+              + ("-" if theirs is None else f"{cell(theirs)}, {theirs['oneshot_s']:.0f} s, peak RSS "
+                                             f"{theirs['peak_rss_mib']:.0f} MiB") + " |")
+    if reason:
+        print(f"\nllm-compressor: {reason}")
 
 
 def learned_optimize_seconds(r_bin: str) -> float | None:
