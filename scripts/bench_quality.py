@@ -279,24 +279,28 @@ def peer_venv(root: Path) -> Path:
     return python
 
 
+def save_float_model(model, directory: Path) -> None:
+    """An HF directory of ``model``'s float weights; a model loaded from a GGUF is marked quantized
+    (transformers dequantized it on load) and refuses ``save_pretrained``, so that mark is dropped
+    on a copy."""
+    model = copy.deepcopy(model)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(directory)
+
+
 def peer_table(base, windows, args, fp: float, results: dict) -> None:
     """llm-compressor (rotations + GPTQ) against ours (Hadamard + GPTQ), W4A8 and W4A16 g32, same tokens."""
+    log = logging.getLogger("bench")
     from spinquant_et.data import calibration_windows
 
     calib = calibration_windows(base.tokenizer, None, args.seq_len, args.calib_samples, QuantRecipe().seed)
-    ours = {}
-    for a_bits in (8, 16):
-        t0 = time.perf_counter()
-        qm = quantize(copy.deepcopy(base), QuantRecipe(rotation="hadamard", w_method="gptq", a_bits=a_bits,
-                                                       calib_samples=args.calib_samples, calib_seq_len=args.seq_len),
-                      progress=False)
-        ours[a_bits] = (token_stats(qm.loaded.model, windows, progress=False).perplexity, time.perf_counter() - t0)
-        del qm
     peer, reason = {}, None
     try:
         python = peer_venv(Path(args.peer_dir))
         with tempfile.TemporaryDirectory() as tmp:
-            base.model.save_pretrained(Path(tmp) / "fp")
+            save_float_model(base.model, Path(tmp) / "fp")
             base.tokenizer.save_pretrained(Path(tmp) / "fp")
             (Path(tmp) / "tokens.json").write_text(json.dumps({"calib": calib.tolist(), "eval": windows.tolist()}))
             r = subprocess.run([str(python), str(Path(__file__).parent / "peers" / "llmcompressor_quality.py"),
@@ -306,10 +310,20 @@ def peer_table(base, windows, args, fp: float, results: dict) -> None:
             if line.startswith("{"):
                 row = json.loads(line)
                 peer[row["scheme"]] = row
+                log.warning("llm-compressor: %s", line)
         if r.returncode != 0:
             reason = (r.stderr.strip().splitlines() or ["no output"])[-1]
     except (subprocess.CalledProcessError, OSError) as e:
         reason = f"could not install llmcompressor=={LLMCOMPRESSOR} in its own venv: {e}"
+    ours = {}
+    for a_bits in (8, 16):
+        t0 = time.perf_counter()
+        qm = quantize(copy.deepcopy(base), QuantRecipe(rotation="hadamard", w_method="gptq", a_bits=a_bits,
+                                                       calib_samples=args.calib_samples, calib_seq_len=args.seq_len),
+                      progress=False)
+        ours[a_bits] = (token_stats(qm.loaded.model, windows, progress=False).perplexity, time.perf_counter() - t0)
+        log.warning("ours, W4A%d g32: %.2f (%.0fs)", a_bits, *ours[a_bits])
+        del qm
     results["peers"] = {"llm-compressor": peer, "ours": {f"W4A{b} g32": v[0] for b, v in ours.items()},
                         "reason": reason}
 
