@@ -152,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's max_position_embeddings where that is shorter)")
     x.add_argument("--forward-only", dest="ctx_method", action="store_false",
                    help="lower forward alone, without forward_ctx (forward whose attention reads only the filled "
-                   "context, which our Python and C++ runners call for every prefill and decode step): half the "
-                   "lowering time, but every step then attends over the whole --max-seq-len cache")
+                   "context, which our Python and C++ runners call for prompts and for decode up to half the cache): "
+                   "half the lowering time, but every step then attends over the whole --max-seq-len cache")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
                    "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "
@@ -387,7 +387,7 @@ def cmd_export(args) -> int:
     is_checkpoint = Path(args.model, "recipe.json").is_file()  # exported as it is: its own recipe
     _preflight(args, None if is_checkpoint else _recipe(args))
     result = export(args.model, _recipe(args), args.out, args.max_seq_len, args.force, args.ops, args.calib_text,
-                    args.ctx_method and args.ops == "portable")
+                    args.ctx_method)
     secs = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
     print(f"wrote {result.pte} ({result.size_bytes / 2**20:.1f} MiB, {result.recipe.label()}) and "
           f"{result.tokenizer}; {secs}")

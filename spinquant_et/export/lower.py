@@ -5,8 +5,9 @@ stock runners call) and, for the portable ops, ``forward_ctx(tokens, input_pos, 
 attention reads only the cache's first ``len(ctx)`` positions. The length comes from an input's shape,
 so torch.export makes it a backed dynamic size that XNNPACK delegates (derived from ``input_pos`` it
 would be unbacked, which XNNPACK's partitioner refuses). Both methods share the KV-cache buffers and
-the weights (stored once); our runners prefill and decode through ``forward_ctx`` with ``len(ctx)`` =
-the filled context, so prefill and decode cost what the context costs, not ``--max-seq-len``.
+the weights (stored once); our runners call ``forward_ctx`` with ``len(ctx)`` = the filled context
+for prompts and for decode steps up to half the cache (``runtime.use_ctx_method``), so those cost
+what the context costs, not ``--max-seq-len``.
 """
 
 from __future__ import annotations

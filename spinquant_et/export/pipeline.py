@@ -100,9 +100,10 @@ def chat_prefix_suffix(tokenizer) -> tuple[str, str] | None:
 
 def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int | None = None,
            force: bool = False, ops: str = "portable", calib_text: str | None = None,
-           ctx_method: bool | None = None) -> ExportResult:
+           ctx_method: bool = True) -> ExportResult:
     """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``,
-    with ``forward_ctx`` beside ``forward`` (default: for the portable ops; see ``lower``)."""
+    with ``forward_ctx`` beside ``forward`` when ``ctx_method`` and the ops are portable (see ``lower``;
+    et-llama attention already stops at the current position)."""
     out = Path(out)
     refuse_existing_outputs(out, force)
     seconds: dict[str, float] = {}
@@ -138,7 +139,7 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
     seconds["build"] = time.perf_counter() - t0
     bos = tokenizer.bos_token_id
-    ctx_method = ops == "portable" if ctx_method is None else ctx_method
+    ctx_method = ctx_method and ops == "portable"
     meta = metadata_methods(transformer, bos, eos_ids(tokenizer, config))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.files.") as staging:
