@@ -64,6 +64,7 @@ from spinquant_et.eval import (
     window_logits,
 )
 from spinquant_et.models import load_model
+from spinquant_et.models.load import save_hf_dir
 from spinquant_et.quantize import quantize
 from spinquant_et.recipe import QuantRecipe
 
@@ -279,17 +280,6 @@ def peer_venv(root: Path) -> Path:
     return python
 
 
-def save_float_model(model, directory: Path) -> None:
-    """An HF directory of ``model``'s float weights; a model loaded from a GGUF is marked quantized
-    (transformers dequantized it on load) and refuses ``save_pretrained``, so that mark is dropped
-    on a copy."""
-    model = copy.deepcopy(model)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(directory)
-
-
 def peer_table(base, windows, args, fp: float, results: dict) -> None:
     """llm-compressor (rotations + GPTQ) against ours (Hadamard + GPTQ), W4A8 and W4A16 g32, same tokens."""
     log = logging.getLogger("bench")
@@ -300,8 +290,7 @@ def peer_table(base, windows, args, fp: float, results: dict) -> None:
     try:
         python = peer_venv(Path(args.peer_dir))
         with tempfile.TemporaryDirectory() as tmp:
-            save_float_model(base.model, Path(tmp) / "fp")
-            base.tokenizer.save_pretrained(Path(tmp) / "fp")
+            save_hf_dir(base, Path(tmp) / "fp")
             (Path(tmp) / "tokens.json").write_text(json.dumps({"calib": calib.tolist(), "eval": windows.tolist()}))
             r = subprocess.run([str(python), str(Path(__file__).parent / "peers" / "llmcompressor_quality.py"),
                                 "--model", str(Path(tmp) / "fp"), "--tokens", str(Path(tmp) / "tokens.json")],

@@ -20,6 +20,7 @@ against llama.cpp's when it ran.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -46,6 +47,9 @@ CPP_RUNNER = Path(__file__).parents[1] / "runner" / "build" / "spinquant-run"
 CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner and through forward only (portable ops)
 FORWARD_ONLY = f"{CPP_OF}, forward only (stock runners)"
 LLAMA_CPP = "llama.cpp (GGUF as shipped)"
+OPTIMUM_VERSION = "1.1.0"  # the release measured
+EXPORT_LLAMA = "ExecuTorch export_llama from our convert (8da4w, no rotation, custom SDPA + KV cache)"
+OPTIMUM = f"optimum-executorch {OPTIMUM_VERSION} (8da4w g32, custom SDPA + KV cache)"
 
 
 def child_env() -> dict:
@@ -160,24 +164,100 @@ def gguf_of(model: str) -> str | None:
     return model if model.endswith(".gguf") and Path(model).is_file() else None
 
 
-def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: int, w_method: str) -> dict[str, float]:
+def run_measured(cmd: list[str], what: str) -> tuple[float, float]:
+    """Run ``cmd`` to its end: ``(wall seconds, peak RSS MiB)`` of it and the children it waited for
+    (``os.wait4``'s rusage); exits with its stderr's tail when it fails."""
+    import tempfile
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            err.seek(0)
+            raise SystemExit(f"error: {what} failed:\n{err.read().decode(errors='replace')[-2000:]}")
+    return time.perf_counter() - t0, usage.ru_maxrss / 1024  # Linux: KiB
+
+
+def export_all(model: str, jobs: dict[str, Path], max_seq_len: int, parallel: int,
+               w_method: str) -> dict[str, tuple[float, float]]:
     """``spinquant-et export`` for each ``{variant: pte}``, ``parallel`` processes at a time (lowering is
-    single-threaded Python, so two exports on two cores take about the time of one). Seconds per variant."""
+    single-threaded Python, so two exports on two cores take about the time of one).
+    ``(seconds, peak RSS MiB)`` per variant."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(name: str) -> float:
-        t0 = time.perf_counter()
+    def one(name: str) -> tuple[float, float]:
         cmd = [sys.executable, "-m", "spinquant_et.cli", "export", "--model", model, "--max-seq-len", str(max_seq_len),
                "--w-method", w_method, *VARIANTS[name], "--out", str(jobs[name]), "--force"]  # a variant's own flags win
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"error: export of {name} failed:\n{r.stderr[-2000:]}")
-        seconds = time.perf_counter() - t0
-        print(f"exported {name} in {seconds:.0f}s", file=sys.stderr, flush=True)
-        return seconds
+        seconds, rss = run_measured(cmd, f"export of {name}")
+        print(f"exported {name} in {seconds:.0f}s, peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
+        return seconds, rss
 
     with ThreadPoolExecutor(max(1, parallel)) as pool:
         return dict(zip(jobs, pool.map(one, jobs), strict=True))
+
+
+def export_llama_pte(model: str, out_dir: Path, pte: Path, max_seq_len: int, w_method: str) -> tuple[float, float]:
+    """ExecuTorch's own ``export_llama`` (from the wheel) on our ``convert``ed checkpoint, with the flags
+    ExecuTorch recommends for XNNPACK speed (its custom SDPA and KV-cache ops): ``--rotation none``,
+    since ``convert`` refuses R4 of a size that is not a power of two (SmolLM2's 1536).
+    ``(seconds, peak RSS MiB)`` over quantize + convert + export_llama."""
+    work = out_dir / "export_llama"
+    cli = [sys.executable, "-m", "spinquant_et.cli"]
+    steps = [
+        (cli + ["quantize", "--model", model, "--rotation", "none", "--w-method", w_method, "--out", str(work / "q"),
+                "--force"], "quantize for export_llama"),
+        (cli + ["convert", str(work / "q"), "--out", str(work / "meta"), "--force"], "convert"),
+        ([sys.executable, "-m", "executorch.examples.models.llama.export_llama", "--checkpoint",
+          str(work / "meta" / "consolidated.00.pth"), "--params", str(work / "meta" / "params.json"),
+          "--preq_mode", "8da4w_output_8da8w", "--preq_group_size", "32", "--preq_embedding_quantize", "8,0",
+          "--use_qat", "--use_kv_cache", "--use_sdpa_with_kv_cache", "-X", "-d", "fp32",
+          "--max_seq_length", str(max_seq_len), "--max_context_length", str(max_seq_len), "--output_name", str(pte)],
+         "export_llama"),
+    ]
+    measured = [run_measured(cmd, what) for cmd, what in steps]
+    seconds, rss = sum(m[0] for m in measured), max(m[1] for m in measured)
+    print(f"exported {EXPORT_LLAMA} in {seconds:.0f}s, peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
+    return seconds, rss
+
+
+def optimum_venv(root: Path) -> Path:
+    """optimum-executorch's own venv, created once (it pins transformers 5.0.0rc1; ours is newer):
+    our CPU torch first so pip keeps it, then the peer with our executorch and torchao."""
+    import torch
+
+    python = root / "optimum" / "bin" / "python"
+    if not python.exists():
+        print(f"creating {python.parents[1]} (optimum-executorch=={OPTIMUM_VERSION}; minutes)", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(python.parents[1])], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+        subprocess.run([*pip, f"optimum-executorch=={OPTIMUM_VERSION}", f"torch=={torch.__version__.split('+')[0]}",
+                        *(f"{m}=={importlib.metadata.version(m)}" for m in ("executorch", "torchao"))], check=True)
+    return python
+
+
+def optimum_pte(model: str, out_dir: Path, pte: Path, max_seq_len: int, peer_dir: Path) -> tuple[float, float]:
+    """optimum-executorch's XNNPACK export of the same float model, with the flags its README gives for
+    speed (custom SDPA, custom KV cache, 8da4w linears, int8 embeddings), groups of 32 as ours.
+    ``(seconds, peak RSS MiB)`` of ``optimum-cli export executorch`` (the float HF directory it reads is
+    written first, not timed)."""
+    from spinquant_et.models import load_model
+    from spinquant_et.models.load import save_hf_dir
+
+    python = optimum_venv(peer_dir)
+    hf_dir, work = out_dir / "optimum" / "fp", out_dir / "optimum" / "pte"
+    if not (hf_dir / "config.json").is_file():
+        save_hf_dir(load_model(model), hf_dir)
+    cmd = [str(python.parent / "optimum-cli"), "export", "executorch", "--model", str(hf_dir), "--task",
+           "text-generation", "--recipe", "xnnpack", "--use_custom_sdpa", "--use_custom_kv_cache", "--qlinear", "8da4w",
+           "--qlinear_group_size", "32", "--qembedding", "8w", "--max_seq_len", str(max_seq_len), "--output_dir",
+           str(work)]
+    seconds, rss = run_measured(cmd, "optimum-cli export executorch")
+    (work / "model.pte").replace(pte)
+    print(f"exported {OPTIMUM} in {seconds:.0f}s, peak RSS {rss:.0f} MiB", file=sys.stderr, flush=True)
+    return seconds, rss
 
 
 def seq_len_of(variant: str, default: int) -> int:
@@ -207,12 +287,15 @@ def print_table(rows: dict, header: str) -> None:
     base = rows[BASELINE]
     ref = rows.get(LLAMA_CPP)
     print(f"\n{header}\n")
-    cols = ["export s", "size MiB", "prefill tok/s", "decode tok/s", "ttft ms", "peak RSS MiB", "prefill vs 8da4w",
+    cols = ["export s", "export peak RSS MiB", "size MiB", "prefill tok/s", "decode tok/s", "ttft ms", "peak RSS MiB",
+            "prefill vs 8da4w",
             "decode vs 8da4w", "ttft vs 8da4w", "RSS vs 8da4w", "size vs 8da4w"] + (["decode vs llama.cpp"] if ref else [])
     print("| runtime, file | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for name, r in rows.items():
-        cells = ["-" if r.get("export_s") is None else f"{r['export_s']:.0f}", f"{r['size_mib']:.1f}",
+        export = r.get("export")
+        cells = ["-" if export is None else f"{export[0]:.0f}", "-" if export is None else f"{export[1]:.0f}",
+                 f"{r['size_mib']:.1f}",
                  f"{r['prefill']:.0f}", f"{r['decode']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['rss_mib']:.0f}",
                  ratio(r["prefill"], base["prefill"], ".3f"), ratio(r["decode"], base["decode"], ".3f"),
                  ratio(r["ttft_ms"], base["ttft_ms"], ".3f"), ratio(r["rss_mib"], base["rss_mib"], ".2f"),
@@ -239,6 +322,10 @@ def main() -> None:
     p.add_argument("--w-method", choices=["rtn", "gptq"], default="rtn",
                    help="how the 4-bit weights are chosen (default rtn: speed and size do not depend on their values, "
                    "and GPTQ adds about 12 minutes per variant on 2 cores)")
+    p.add_argument("--peers", action="store_true",
+                   help="add rows for ExecuTorch's export_llama (on our converted checkpoint) and optimum-executorch "
+                   f"{OPTIMUM_VERSION} (in its own venv under --peer-dir, created on first use)")
+    p.add_argument("--peer-dir", default="bench_peers", help="where the peers' venvs live (default bench_peers)")
     p.add_argument("--measure-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)  # the child process of that row
     p.add_argument("--ids", help=argparse.SUPPRESS)
     p.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
@@ -259,17 +346,18 @@ def main() -> None:
              and args.prompt_tokens + args.new_tokens <= seq_len_of(n, args.max_seq_len)]
     ptes = {n: out_dir / (re.sub(r"[^\w]+", "_", n).strip("_") + f"-{args.max_seq_len}.pte") for n in names}
     todo = {n: p for n, p in ptes.items() if not (args.reuse and p.exists())}
-    export_s = export_all(args.model, todo, args.max_seq_len, args.parallel_exports, args.w_method) if todo else {}
+    exported = export_all(args.model, todo, args.max_seq_len, args.parallel_exports, args.w_method) if todo else {}
     # the prompt every row gets: the first tokens of the built-in held-out text
     tokenizer = _load_tokenizer(str(out_dir))
     ids = tokenize(tokenizer, builtin_text("test"))[: args.prompt_tokens].tolist()
     # Every row is measured once per round, rounds interleave the rows, and a row's figures are the
     # median over rounds: on a shared 2-core VM, speed drifts by tens of percent over minutes, and
     # interleaving spreads the slow spells over all rows instead of landing on one.
-    measure: dict[str, tuple[float, float | None, Callable[[], dict]]] = {}  # name: (size, export s, one run)
+    # name: (size, (export s, export peak RSS) or None, one run)
+    measure: dict[str, tuple[float, tuple[float, float] | None, Callable[[], dict]]] = {}
     for name, pte in ptes.items():
         size = pte.stat().st_size / 2**20
-        measure[name] = (size, export_s.get(name), lambda pte=pte: bench_python(pte, len(ids), args.new_tokens,
+        measure[name] = (size, exported.get(name), lambda pte=pte: bench_python(pte, len(ids), args.new_tokens,
                                                                                args.repeats))
         if name == CPP_OF:
             measure[FORWARD_ONLY] = (size, None, lambda pte=pte: bench_python(pte, len(ids), args.new_tokens, args.repeats,
@@ -277,6 +365,16 @@ def main() -> None:
         if name == CPP_OF and CPP_RUNNER.is_file():
             measure[f"{name}, C++ runner"] = (size, None, lambda pte=pte: bench_cpp(pte, tokenizer.decode(ids),
                                                                                       args.new_tokens, args.repeats))
+    if args.peers:  # exported one after the other (their own times), run by our Python runtime like our rows
+        for name, stem, make in (
+                (EXPORT_LLAMA, "export_llama", lambda pte: export_llama_pte(args.model, out_dir, pte, args.max_seq_len,
+                                                                            args.w_method)),
+                (OPTIMUM, "optimum", lambda pte: optimum_pte(args.model, out_dir, pte, args.max_seq_len,
+                                                             Path(args.peer_dir)))):
+            pte = out_dir / f"{stem}-{args.max_seq_len}.pte"
+            cost = None if args.reuse and pte.exists() else make(pte)
+            measure[name] = (pte.stat().st_size / 2**20, cost,
+                             lambda pte=pte: bench_python(pte, len(ids), args.new_tokens, args.repeats))
     gguf = gguf_of(args.model)
     try:
         import llama_cpp  # noqa: F401
@@ -296,7 +394,7 @@ def main() -> None:
         for name, (_, _, run_once) in measure.items():
             runs[name].append(run_once())
             print(f"round {round_ + 1}/{args.rounds}, {name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-    rows = {name: dict(export_s=export, size_mib=size, **{k: statistics.median(r[k] for r in runs[name])
+    rows = {name: dict(export=export, size_mib=size, **{k: statistics.median(r[k] for r in runs[name])
                                                           for k in ("prefill", "decode", "ttft_ms")},
                        rss_mib=max(r["rss_mib"] for r in runs[name]))
             for name, (size, export, _) in measure.items()}

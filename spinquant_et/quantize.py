@@ -165,7 +165,8 @@ def _float_copy(layer):
 
 @torch.no_grad()
 def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: torch.Tensor,
-                         progress: bool = True, before_layer=None, after_layer=None) -> dict[str, torch.Tensor]:
+                         progress: bool = True, before_layer=None, after_layer=None,
+                         head_map=None) -> dict[str, torch.Tensor]:
     """GPTQ every decoder linear, layer by layer and, inside a layer, in dependency order (q/k/v, o,
     gate/up, down): each Hessian comes from inputs computed with everything before already quantized,
     activations fake-quantized and R3/R4 applied as at inference (``attach_recipe`` must have run).
@@ -173,6 +174,10 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
     beside it, and GPTQ aims at the float outputs (``quant.gptq.float_target``). With
     ``recipe.a_clip_search`` each input's activation clip ratio is chosen (``quant.act_clip``) before
     its Hessian is built, and recorded in ``recipe.a_clips``.
+
+    With the float target, lm_head is aimed at the float logits too: its input map ``M``
+    (``head_input_map``) goes to ``head_map(M)``, by default ``lm_head.weight <- lm_head.weight @ M``
+    (RTN quantizes it afterwards, as before).
 
     ``before_layer(i, layer)`` and ``after_layer(i, layer, qtensors)`` let a caller hold one layer at a
     time (``stream``): the first gives layer ``i`` its rotated weights, the second takes its integers
@@ -209,7 +214,35 @@ def gptq_quantize_layers(loaded: LoadedModel, recipe: QuantRecipe, calibration: 
         del float_layer
         if after_layer is not None:
             after_layer(i, layer, qtensors)
+    if float_inputs is not None and recipe.head_target:
+        m = head_input_map(loaded, inputs, float_inputs)
+        if head_map is None:
+            head = loaded.model.get_submodule(arch.lm_head)
+            head.weight.data = (head.weight.double() @ m).to(head.weight.dtype)
+        else:
+            head_map(m)
     return qtensors
+
+
+def head_input_map(loaded: LoadedModel, inputs, float_inputs, damp: float = 0.01) -> torch.Tensor:
+    """``M [dim, dim]`` (float64) such that ``lm_head.weight @ M`` applied to the quantized model's last
+    hidden states best matches the float logits: ``float_target`` with the final norm's outputs,
+    ``W' = W (C + lambda I)(H + lambda I)^-1``, which does not depend on ``W``. The error the decoder
+    leaves in the last hidden state (shrinkage and mixing by 4-bit noise) is partly linear, and this
+    undoes that part; it costs one pass of the final norm over the calibration windows."""
+    from .quant.gptq import HessianAccumulator
+
+    norm = loaded.model.get_submodule(loaded.arch.final_norm)
+    dim = norm.weight.shape[0]
+    acc = HessianAccumulator(dim)
+    cross = torch.zeros_like(acc.h)
+    for (args, _), (float_args, _) in zip(inputs, float_inputs, strict=True):
+        x, x_float = (norm(a[0]).reshape(-1, dim).float() for a in (args, float_args))
+        acc.add(x)
+        cross += (x_float.T @ x).double()
+    h, c = acc.h, cross * (2 / acc.n)
+    ridge = damp * torch.mean(torch.diag(h)) * torch.eye(dim, dtype=h.dtype)
+    return torch.linalg.solve(h + ridge, (c + ridge).T).T  # (C + R)(H + R)^-1, H symmetric
 
 
 def default_calibration(loaded: LoadedModel, recipe: QuantRecipe, text: str | None = None) -> torch.Tensor:

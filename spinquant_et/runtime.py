@@ -98,6 +98,9 @@ class PteModel:
                 f"{self.path}: this runtime lacks operators the program needs ({', '.join(missing) or 'see -v'}); "
                 "re-export with --ops portable"
             )
+        # The position input: one start index (ours, export_llama's), or one index per token
+        # (transformers' cache_position, as optimum-executorch exports it: its size bound is the prompt's).
+        self.positions_per_token = self.program.metadata("forward").input_tensor_meta(1).sizes()[0] > 1
         self.max_seq_len = int(self._meta("get_max_seq_len", 128))
         self.has_ctx = CTX_METHOD in self.program.method_names
         eos = self._meta("get_eos_ids", [])
@@ -120,13 +123,14 @@ class PteModel:
                 f"{pos + len(tokens)} tokens exceed the program's context of {self.max_seq_len}; "
                 "shorten the prompt or re-export with a larger --max-seq-len"
             )
-        method, inputs = self.method, [torch.tensor([tokens], dtype=torch.long), torch.tensor([pos], dtype=torch.long)]
+        where = torch.arange(pos, pos + len(tokens)) if self.positions_per_token else torch.tensor([pos])
+        method, inputs = self.method, [torch.tensor([tokens], dtype=torch.long), where]
         if self.has_ctx and use_ctx_method(len(tokens), pos + len(tokens), self.max_seq_len):
             # attention over the filled context only; its length is the third input's
             method = self.program.load_method(CTX_METHOD)  # cached by the program
             inputs.append(torch.zeros(pos + len(tokens)))
-        out = method.execute(inputs)
-        return out[0].reshape(-1)
+        logits = method.execute(inputs)[0]
+        return logits.reshape(-1, logits.shape[-1])[-1]  # some programs return every position's logits
 
 
 def sample(logits, temperature: float, top_p: float, generator) -> int:

@@ -82,6 +82,10 @@ class _Streamer:
             self.h4 = HadamardTransform(model.config.intermediate_size).double()
         self.head_dim = head_dim_of(model.config)
         self.layers = model.get_submodule(arch.layers)
+        self.head_map: torch.Tensor | None = None  # lm_head's input map, when GPTQ's float target made one
+
+    def set_head_map(self, m: torch.Tensor) -> None:
+        self.head_map = m
 
     # --- decoder layers
     def load_layer(self, i: int, layer: nn.Module) -> None:
@@ -133,7 +137,10 @@ class _Streamer:
         if name == self.arch.lm_head:  # the final RMSNorm fuses into lm_head (as rotation.fuse does)
             g = self.reader.get(f"{self.arch.final_norm}.weight", torch.float64)
             w = (w.double() * g[None, :]).to(torch.float32)
-        return rotate_rows(w, self.r1) if self.rotated else w
+        w = rotate_rows(w, self.r1) if self.rotated else w
+        if name == self.arch.lm_head and self.head_map is not None:
+            w = (w.double() @ self.head_map).to(torch.float32)
+        return w
 
     def rotated_table(self, name: str) -> torch.Tensor:
         """The whole rotated float table (GPTQ's calibration forward needs the embeddings)."""
@@ -187,10 +194,11 @@ def quantize_streaming(model_dir: str | os.PathLike, recipe: QuantRecipe, out: s
         with ShardWriter(tmp, shard_bytes, metadata={"spinquant_et": "1"}) as writer:
             streamer = _Streamer(reader, model, arch, recipe, writer)
             if gptq:
-                embed = model.get_submodule(arch.embed)
+                embed, norm = model.get_submodule(arch.embed), model.get_submodule(arch.final_norm)
                 embed.weight = nn.Parameter(streamer.rotated_table(arch.embed), requires_grad=False)
-                gptq_quantize_layers(loaded, recipe, calibration, progress,
-                                     before_layer=streamer.load_layer, after_layer=streamer.write_layer)
+                norm.weight = nn.Parameter(torch.ones(norm.weight.shape), requires_grad=False)  # fused into lm_head
+                gptq_quantize_layers(loaded, recipe, calibration, progress, before_layer=streamer.load_layer,
+                                     after_layer=streamer.write_layer, head_map=streamer.set_head_map)
                 embed.to("meta")
             else:
                 streamer.rtn_layers(progress)

@@ -237,7 +237,7 @@ def test_attention_over_the_filled_context_computes_what_the_whole_cache_compute
     x = torch.randint(0, 384, (40,), generator=torch.Generator().manual_seed(1))
     logits = {}
     for extra in (None, 0, 7):  # whole cache; exactly the filled context; 7 positions more
-        def ctx(filled):
+        def ctx(filled, extra=extra):
             return None if extra is None else torch.zeros(filled + extra)
 
         with torch.no_grad():

@@ -120,6 +120,53 @@ def test_float_target_minimizes_the_error_against_float_inputs():
     assert error(aimed) < 0.9 * error(plain), (error(aimed), error(plain))
 
 
+def test_head_input_map_aims_lm_head_at_the_float_logits():
+    """lm_head through ``head_input_map`` reads hidden states that 4-bit noise has blurred (here: the float
+    state, shrunk and mixed across channels, plus noise) closer to the float logits than lm_head alone,
+    on the tokens it was fitted to (least squares with a ridge toward lm_head: it cannot do worse there)
+    and on fresh ones."""
+    from spinquant_et.quantize import head_input_map
+
+    loaded = tiny_model("llama")
+    norm, head = loaded.model.model.norm, loaded.model.lm_head
+    dim = head.in_features
+    g = torch.Generator().manual_seed(3)
+    blur = 0.8 * torch.eye(dim) + 0.3 * torch.randn(dim, dim, generator=g) / dim**0.5
+
+    def windows(n):
+        floats = [torch.randn(1, 64, dim, generator=g) * (1 + 4 * (torch.arange(dim) < 3)) for _ in range(n)]
+        noisy = [f @ blur + 0.2 * torch.randn(f.shape, generator=g) for f in floats]
+        return [((x,), {}) for x in noisy], [((f,), {}) for f in floats]
+
+    fit, fresh = windows(32), windows(8)
+    m = head_input_map(loaded, *fit).float()
+
+    def error(pairs, mapped):
+        with torch.no_grad():
+            x = torch.cat([norm(a[0]) for (a, _) in pairs[0]])
+            want = head(torch.cat([norm(a[0]) for (a, _) in pairs[1]]))
+            got = x @ (head.weight @ m if mapped else head.weight).T
+            return ((got - want).norm() / want.norm()).item()
+
+    assert error(fit, True) < 0.9 * error(fit, False), (error(fit, True), error(fit, False))
+    assert error(fresh, True) < 0.9 * error(fresh, False), (error(fresh, True), error(fresh, False))
+
+
+def test_head_target_moves_only_lm_head(tiny_tokenizer):
+    """``head_target`` changes lm_head (its input map) and nothing GPTQ decided before it."""
+    from spinquant_et.data import builtin_text, calibration_samples, tokenize
+
+    calib = calibration_samples(tokenize(tiny_tokenizer, builtin_text("train")), 64, 8, seed=0)
+    out = {}
+    for on in (False, True):
+        loaded = tiny_model("llama")
+        qm = quantize(loaded, QuantRecipe(a_bits=4, kv_bits=4, head_target=on), progress=False, calibration=calib)
+        out[on] = qm.checkpoint_tensors()
+    assert set(out[False]) == set(out[True])
+    changed = {k for k in out[False] if not torch.equal(out[False][k], out[True][k])}
+    assert changed and all(k.startswith("lm_head.") for k in changed), changed
+
+
 def test_gptq_model_stays_closer_to_float_than_rtn(tiny_tokenizer):
     """Tiny Llama, W4A16 g32 + Hadamard: on held-out windows GPTQ's logits are nearer the float model's."""
     from spinquant_et.data import builtin_text, calibration_samples, tokenize

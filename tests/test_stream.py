@@ -19,6 +19,7 @@ RECIPES = {
     "hadamard-rtn": dict(w_method="rtn"),
     "none-rtn": dict(w_method="rtn", rotation="none"),
     "hadamard-gptq-w4a8": GPTQ,
+    "hadamard-gptq-w4a8-head-target": dict(**GPTQ, head_target=True),
     "hadamard-gptq-w4a4kv4-int4-head": dict(**GPTQ, a_bits=4, kv_bits=4, lm_head_bits=4, o_per_head=True),
 }
 

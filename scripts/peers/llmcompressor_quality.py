@@ -52,14 +52,13 @@ def main() -> None:
     p.add_argument("--transform-block-size", type=int, default=None)
     args = p.parse_args()
 
+    import llmcompressor
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
     from llmcompressor.modifiers.transform import SpinQuantModifier
     from transformers import AutoModelForCausalLM
-
-    import llmcompressor
 
     torch.manual_seed(0)
     tokens = json.loads(open(args.tokens).read())

@@ -69,6 +69,21 @@ def untie_embeddings(model: nn.Module) -> None:
         model.config.get_text_config().tie_word_embeddings = False
 
 
+def save_hf_dir(loaded: LoadedModel, directory: str | os.PathLike) -> None:
+    """``loaded`` as an HF directory (float safetensors, config, tokenizer), for tools that take one (the
+    peers in ``scripts/bench_*``). A model loaded from a GGUF is marked quantized (transformers
+    dequantized it on load) and refuses ``save_pretrained``, so that mark is dropped on a copy."""
+    import copy
+
+    model = copy.deepcopy(loaded.model)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(directory)
+    if loaded.tokenizer is not None:
+        loaded.tokenizer.save_pretrained(directory)
+
+
 def _check_hf_dir(path: Path) -> None:
     cfg = path / "config.json"
     if not cfg.is_file():
