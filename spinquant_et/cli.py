@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Perplexity on non-overlapping windows. A quantized checkpoint runs with its "
                        "recipe's activation/KV bits unless --a-bits/--kv-bits override them; a float model "
                        "runs in float unless they are given.")
-    e.add_argument("--model", required=True, help=MODEL_HELP + ", or a .pte (its own forward is evaluated)")
+    e.add_argument("model_arg", nargs="?", metavar="MODEL", help="the same as --model")
+    e.add_argument("--model", help=MODEL_HELP + ", or a .pte (its own forward is evaluated)")
     _add_text_flags(e, default_windows=32)
     e.add_argument("--a-bits", type=_bits, help="override activation bits (fake-quant)")
     e.add_argument("--kv-bits", type=_bits, help="override KV cache bits (fake-quant)")
@@ -599,7 +600,12 @@ RUNS_PTE = ("generate", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "eval":  # `eval X.pte` and `eval --model X.pte` both work
+        if (args.model is None) == (args.model_arg is None):
+            parser.error("eval takes one model: `eval MODEL` or `eval --model MODEL`")
+        args.model = args.model or args.model_arg
     if args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte"):
         from .runtime import limit_omp_threads
 

@@ -25,7 +25,7 @@ def test_quantize_then_eval_json(capsys, tiny_hf_dir, tmp_path):
     code, stdout, _ = run(capsys, "quantize", "--model", tiny_hf_dir["qwen2"], "--rotation", "hadamard",
                           "--a-bits", "4", "--kv-bits", "4", "--out", out)
     assert code == 0 and "W4A4KV4-hadamard" in stdout
-    code, stdout, _ = run(capsys, "eval", "--model", out, "--seq-len", "64", "--windows", "4", "--json")
+    code, stdout, _ = run(capsys, "eval", out, "--seq-len", "64", "--windows", "4", "--json")  # as README writes it
     result = json.loads(stdout)
     assert code == 0 and result["windows"] == 4 and result["kv_bits"] == 4 and result["recipe"]["a_bits"] == 4
     assert 1 < result["perplexity"] < 10_000  # a random model, but a finite, sane number
