@@ -15,6 +15,11 @@ measured in its own process, so its peak RSS is its own: Python rows are ``spinq
 is llama-cpp-python with ``n_threads=2``. All rows get the same prompt token ids and decode greedily
 without stopping at EOS. Each figure is also printed as a ratio to the 8da4w row, and decode
 against llama.cpp's when it ran.
+
+``--peers`` adds the tools a user would otherwise pick, exported in this run and run by the same
+runtime: ExecuTorch's own ``export_llama`` (from the wheel) on our ``convert``ed checkpoint, and
+optimum-executorch's ``optimum-cli export executorch`` in its own venv. Every exported row also
+shows its export's wall time and peak RSS (``os.wait4``).
 """
 
 from __future__ import annotations
