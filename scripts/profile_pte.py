@@ -7,9 +7,12 @@ as the runners use; through the program's ``forward_ctx`` as our runners do, or 
 ``forward`` with ``--forward-only``), and prints one markdown table: each kind of operator (XNNPACK's own operator
 names inside delegate calls; ``native_call_*`` and custom ops outside them), its calls per token,
 its milliseconds per token and its share of ``Method::execute``. "delegate call overhead" is the
-delegate calls' time not spent in any XNNPACK operator (input/output set-up, dynamic-shape
-reshapes, the dynamic quantization of activations). Profiling itself adds a little time; compare
-shares between files rather than absolute figures with ``bench``.
+delegate calls' time not spent in any XNNPACK operator: ExecuTorch's XNNPACK executor reshapes the
+whole XNNPACK runtime (every operator, then its memory plan) and sets it up again before every call,
+whether shapes changed or not, so it grows with the operators in a partition (about 1 us each).
+The first heavy operator after a stretch outside XNNPACK also runs 20-40 us slower than the same
+operator elsewhere (its threads wake up). Profiling itself adds a little time; compare shares
+between files rather than absolute figures with ``bench``.
 """
 
 from __future__ import annotations

@@ -25,11 +25,13 @@ def _eager_transformer(ckpt):
 
 def test_exported_linears_hold_the_checkpoint_integers(tiny_ckpt):
     model, tensors = _eager_transformer(tiny_ckpt)
-    assert torch.equal(model.layers[1].attention.wk.weight, tensors["model.layers.1.self_attn.k_proj.weight"])
+    # q, k and v stacked on the output axis: integers and scales kept
+    qkv = [tensors[f"model.layers.1.self_attn.{n}_proj.weight"] for n in ("q", "k", "v")]
+    assert torch.equal(model.layers[1].attention.wqkv.weight, torch.cat(qkv))
     # gate and up stacked, rows permuted for the one-transpose R4 (160 = 20 x 8): integers kept
     perm = TransposedInputKronHadamard.input_permutation(20, 8)
     expected = torch.cat([tensors[f"model.layers.1.mlp.{n}_proj.weight"][perm] for n in ("gate", "up")])
-    assert torch.equal(model.layers[1].feed_forward.w13.weight, expected)  # not re-rounded
+    assert torch.equal(model.layers[1].feed_forward.w13.weight, expected)
     assert torch.equal(model.layers[0].feed_forward.w2.scales, tensors["model.layers.0.mlp.down_proj.scales"])
 
 
@@ -109,6 +111,24 @@ def test_eval_of_pte_is_close_to_eager(tiny_pte, tiny_ckpt, capsys):
     assert main(["eval", "--model", str(tiny_ckpt), *args]) == 0
     eager_ppl = json.loads(capsys.readouterr().out)["perplexity"]
     assert abs(pte_ppl / eager_ppl - 1) < 0.05  # random tiny model; SmolLM2's 1% is in test_e2e
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_stacked_qkv_keeps_biases_and_head_norms(tiny_hf_dir, tmp_path, model_type):
+    """q/k/v run as one linear with RoPE over all heads (v's rows of the tables are 1 and 0): Qwen2's
+    biases and Qwen3's per-head q/k norms (v heads passed through) must give the fake-quant HF logits."""
+    from spinquant_et.checkpoint import load_quantized
+
+    ckpt = tmp_path / "q"
+    flags = ["--w-method", "rtn", "--kv-bits", "8"]
+    assert main(["quantize", "--model", str(tiny_hf_dir[model_type]), *flags, "--out", str(ckpt)]) == 0
+    model, _ = _eager_transformer(ckpt)
+    hf = load_quantized(ckpt).model
+    x = torch.randint(0, 384, (1, 20))
+    ref = hf(x).logits[0, 11:]
+    with torch.no_grad():
+        got = torch.cat([model(x[:, :12], torch.tensor([0]))] + [model(x[:, t : t + 1], torch.tensor([t])) for t in range(12, 20)])
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -14,6 +14,7 @@ from .model import (
     Block,
     ExportArgs,
     FeedForward,
+    HeadNorm,
     Int8DynActInt8WeightLinear,
     Int8Embedding,
     RMSNorm,
@@ -137,11 +138,12 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
     for i in range(args.n_layers):
         p = f"{arch.layers}.{i}"
         attn_mod = arch.q.rpartition(".")[0]
-        qk = (None, None)
+        head_norm = None
         if arch.qk_norm:
-            qk = (norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim))
-        attention = Attention(args, linear(f"{p}.{arch.q}"), linear(f"{p}.{arch.k}"), linear(f"{p}.{arch.v}"),
-                              linear(f"{p}.{arch.o}"), *qk)
+            head_norm = HeadNorm(norm(f"{p}.{attn_mod}.q_norm", args.head_dim), norm(f"{p}.{attn_mod}.k_norm", args.head_dim),
+                                 args.n_heads, args.n_kv_heads)
+        attention = Attention(args, linear(f"{p}.{arch.q}", f"{p}.{arch.k}", f"{p}.{arch.v}"), linear(f"{p}.{arch.o}"),
+                              head_norm)
         ffn = FeedForward(args, linear(f"{p}.{arch.gate}", f"{p}.{arch.up}", perm=r4_perm), linear(f"{p}.{arch.down}"),
                           make_r4())
         block = Block(args, attention, ffn)

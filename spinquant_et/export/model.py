@@ -206,68 +206,103 @@ class KVCache(nn.Module):
                 self._dequantize(read(self.v), read(self.v_scale), read(self.v_zero)))
 
 
-class Attention(nn.Module):
-    """Every reshape keeps one inferred (-1) dimension and static others, the form XNNPACK delegates."""
+class HeadNorm(nn.Module):
+    """Qwen3's per-head RMSNorms of q and k on the stacked ``[1, t, heads, head_dim]`` q/k/v tensor: q
+    heads get q_norm's weight, k heads k_norm's, and v heads pass through unchanged (``mask`` 0)."""
 
-    def __init__(self, args: ExportArgs, wq, wk, wv, wo, q_norm=None, k_norm=None):
+    def __init__(self, q_norm: RMSNorm, k_norm: RMSNorm, n_heads: int, n_kv_heads: int):
+        super().__init__()
+        self.eps = q_norm.eps
+        hd = q_norm.weight.shape[0]
+        ones = torch.ones(n_kv_heads, hd)
+        self.register_buffer("weight", torch.cat([q_norm.weight.detach().expand(n_heads, hd),
+                                                  k_norm.weight.detach().expand(n_kv_heads, hd), ones]))
+        mask = torch.zeros(n_heads + 2 * n_kv_heads, 1)
+        mask[: n_heads + n_kv_heads] = 1.0
+        self.register_buffer("mask", mask)
+        self.register_buffer("mean_row", torch.full((1, hd), 1.0 / hd), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps) * self.weight
+        return normed * self.mask + x * (1.0 - self.mask)
+
+
+class Attention(nn.Module):
+    """q, k and v come from one stacked linear and get RoPE (and R3) as one tensor: v's rows of the
+    cos/sin tables are 1/0, so RoPE leaves v as it is (exactly), and R3 is a per-head matrix that is the
+    identity on v. Fewer, larger XNNPACK operators: a decode step's cost beyond its matmuls is XNNPACK
+    re-planning every operator of the graph on every call (about 1 us each), so the operator count
+    matters (8-layer SmolLM2 shape: 0.96x base's decode step time). ``view(.., -1, ..)`` keeps one
+    inferred dimension, the form XNNPACK delegates; after a permute torch.export writes ``reshape``'s -1
+    as a symbolic size, which XNNPACK refuses, and the graph is cut there."""
+
+    def __init__(self, args: ExportArgs, wqkv, wo, head_norm: HeadNorm | None = None):
         super().__init__()
         self.args = args
-        # q, k, v stay separate linears: stacked into one, the int8 KV cache's quantize ops sit between
-        # slices of a single XNNPACK partition and the partitioner fails with a dependency cycle.
-        self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
-        self.q_norm, self.k_norm = q_norm, k_norm
+        self.wqkv, self.wo = wqkv, wo
+        self.head_norm = head_norm
+        hd, nh, kvh = args.head_dim, args.n_heads, args.n_kv_heads
+        self.heads = nh + 2 * kvh
         # R3 leaves Q K^T unchanged, so it only matters when the cache is quantized: with a float
-        # cache it would be two matmuls per layer that change nothing.
-        self.r3 = HadamardTransform(args.head_dim).float() if args.rotated and args.kv_bits < 16 else None
+        # cache it would be a matmul per layer that changes nothing.
+        r3_heads = None
+        if args.rotated and args.kv_bits < 16:
+            eye = torch.eye(hd)
+            r3 = HadamardTransform(hd).float()(eye)  # the transform is linear: r3(x) = x @ r3(I)
+            # one matrix per head: the transform on q and k heads, the identity on v heads
+            r3_heads = torch.stack([r3] * (nh + kvh) + [eye] * kvh)
+        self.register_buffer("r3", r3_heads, persistent=False)
         self.cache = KVCache(args)
-        self.n_rep = args.n_heads // args.n_kv_heads
-        self.scale = args.head_dim**-0.5
-        self.register_buffer("rot_half", rotate_half_matrix(args.head_dim), persistent=False)
+        self.n_rep = nh // kvh
+        self.scale = hd**-0.5
+        self.register_buffer("rot_half", rotate_half_matrix(hd), persistent=False)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return x * cos + F.linear(x, self.rot_half) * sin
+    def _qkv(self, x, cos, sin):
+        """q, k, v ``[heads, t, head_dim]`` stacked on the heads axis, RoPE (and R3) applied to q and k."""
+        qkv = self.wqkv(x).view(1, -1, self.heads, self.args.head_dim)
+        if self.head_norm is not None:
+            qkv = self.head_norm(qkv)
+        qkv = qkv * cos + F.linear(qkv, self.rot_half) * sin  # cos/sin [t, heads, hd]
+        qkv = qkv.view(-1, self.heads, self.args.head_dim).transpose(0, 1).contiguous()  # [heads, t, hd]
+        if self.r3 is not None:
+            qkv = torch.bmm(qkv, self.r3)
+        return qkv
 
     def forward(self, x, cos, sin, pos, mask, window=None):
         if self.args.ops == "et-llama":
             return self._forward_et_llama(x, cos, sin, pos)
         a = self.args
-        hd, kvh = a.head_dim, a.n_kv_heads
-        q = self.wq(x).view(1, -1, a.n_heads, hd)
-        k = self.wk(x).view(1, -1, kvh, hd)
-        v = self.wv(x).view(1, -1, kvh, hd).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = self._rope(q.transpose(1, 2), cos, sin)  # [1, heads, t, hd]
-        k = self._rope(k.transpose(1, 2), cos, sin)
-        if self.r3 is not None:
-            q, k = self.r3(q), self.r3(k)
-        keys, values = self.cache.update(pos, k.reshape(kvh, -1, hd), v.reshape(kvh, -1, hd), window)  # [kv, n, hd]
+        hd, kvh, nh = a.head_dim, a.n_kv_heads, a.n_heads
+        qkv = self._qkv(x, cos, sin)
+        q, k, v = qkv[:nh], qkv[nh:nh + kvh], qkv[nh + kvh:]
+        keys, values = self.cache.update(pos, k, v, window)  # [kv, n, hd]
         # GQA without copying the cache: fold each kv head's query heads into the row axis.
-        q = q.reshape(kvh, -1, hd)  # [kv, rep * t, hd]
+        q = q.view(kvh, -1, hd)  # [kv, rep * t, hd]
         scores = torch.bmm(q, keys.transpose(1, 2)) * self.scale + mask
         out = torch.bmm(torch.softmax(scores, dim=-1), values)
-        out = out.view(kvh, self.n_rep, -1, hd).permute(2, 0, 1, 3).reshape(1, -1, a.n_heads * hd)
+        # reshape, not contiguous().view(): its symbolic size keeps o_proj out of the attention's XNNPACK
+        # partition, which measured faster than one partition per layer (XNNPACK re-plans a partition on
+        # every call, and that cost grows faster than its operator count).
+        out = out.view(kvh, self.n_rep, -1, hd).permute(2, 0, 1, 3).reshape(1, -1, nh * hd)
         return self.wo(out)
 
     def _forward_et_llama(self, x, cos, sin, pos):
         """ExecuTorch's custom ops: the cache update is in place and attention stops at the current
         position instead of reading the whole cache (float cache only; R3 is then not needed)."""
         a = self.args
-        hd = a.head_dim
-        q = self.wq(x).view(1, -1, a.n_heads, hd)  # [1, t, heads, hd]: the custom ops' layout
-        k = self.wk(x).view(1, -1, a.n_kv_heads, hd)
-        v = self.wv(x).view(1, -1, a.n_kv_heads, hd)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [t, 1, hd]
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        hd, kvh, nh = a.head_dim, a.n_kv_heads, a.n_heads
+        qkv = self.wqkv(x).view(1, -1, self.heads, hd)  # [1, t, heads, hd]: the custom ops' layout
+        if self.head_norm is not None:
+            qkv = self.head_norm(qkv)
+        qkv = qkv * cos + F.linear(qkv, self.rot_half) * sin
+        q, k, v = qkv[:, :, :nh], qkv[:, :, nh:nh + kvh], qkv[:, :, nh + kvh:]
         start = pos[0].item()
         torch._check_is_size(start)
         torch._check(start < a.max_seq_len)
         torch.ops.llama.update_cache(k, self.cache.k, start)
         torch.ops.llama.update_cache(v, self.cache.v, start)
         out = torch.ops.llama.custom_sdpa(q, self.cache.k, self.cache.v, start, None, 0, True)  # GQA inside
-        return self.wo(out.reshape(1, -1, a.n_heads * hd))
+        return self.wo(out.reshape(1, -1, nh * hd))
 
 
 class TransposedInputKronHadamard(nn.Module):
@@ -296,7 +331,10 @@ class FeedForward(nn.Module):
     def __init__(self, args: ExportArgs, w13, w2, r4: nn.Module | None = None):
         super().__init__()
         self.hidden_dim = args.hidden_dim
-        self.w13, self.w2 = w13, w2  # gate and up stacked (one kernel), down (Meta names w1, w3, w2)
+        # gate and up stacked (one kernel), down (Meta names w1, w3, w2). The two halves of w13's output
+        # are slices XNNPACK does not take (dynamic token dimension), so the graph is cut there; as two
+        # linears the layer is one partition, and that measured 6% slower (8-layer SmolLM2 shape, decode).
+        self.w13, self.w2 = w13, w2
         self.r4 = r4
 
     def forward(self, x):
@@ -330,6 +368,10 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("cos", cos, persistent=False)  # [max_seq, head_dim]
         self.register_buffer("sin", sin, persistent=False)
+        qk_heads = torch.zeros(args.n_heads + 2 * args.n_kv_heads, 1)
+        qk_heads[: args.n_heads + args.n_kv_heads] = 1.0
+        self.register_buffer("qk_heads", qk_heads, persistent=False)
+        self.register_buffer("v_heads", 1.0 - qk_heads, persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
         """Logits after ``tokens`` at positions ``input_pos[0] ..``. With ``ctx`` (any tensor whose length
@@ -339,7 +381,9 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         window = None if ctx is None else ctx.shape[0]
         pos = input_pos[0] + torch.arange(t, dtype=torch.long)
-        cos, sin = self.cos[pos], self.sin[pos]
+        # [t, heads, hd]: RoPE's tables for q and k heads, 1 and 0 for v heads (RoPE leaves them as they are)
+        cos = self.cos[pos][:, None, :] * self.qk_heads + self.v_heads
+        sin = self.sin[pos][:, None, :] * self.qk_heads
         # The causal mask is computed, not stored: a [max_seq, max_seq] constant would be 16 MB at 2048.
         cols = torch.arange(self.args.max_seq_len if window is None else window)
         mask = torch.where(cols[None, :] <= pos[:, None], 0.0, float("-inf"))
