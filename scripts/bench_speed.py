@@ -80,12 +80,14 @@ def bench_python(pte: Path, prompt_tokens: int, new_tokens: int, repeats: int, f
 
 
 def bench_cpp(pte: Path, prompt: str, new_tokens: int, repeats: int) -> dict:
-    """Median ttft/prefill/decode of ``spinquant-run --threads 2`` on ``pte``, and its peak RSS. ``prompt`` is the
-    prompt ids decoded; the runner's tokenizer gives HF's ids back (tests check it)."""
+    """Median ttft/prefill/decode of ``spinquant-run --threads 2 --warmup`` on ``pte``, and its peak RSS.
+    ``--warmup`` runs the prompt and one step before the timed run, as the Python rows and llama.cpp's
+    warm up in their process (a program's first calls allocate and plan: cold, the prefill measured
+    0.8x). ``prompt`` is the prompt ids decoded; the runner's tokenizer gives HF's ids back (tests check it)."""
     runs = []
-    for _ in range(repeats + 1):  # the first is a warm-up
+    for _ in range(repeats + 1):  # the first process warms the page cache
         r = subprocess.run([str(CPP_RUNNER), "--model", str(pte), "--prompt", prompt, "--max-new-tokens",
-                            str(new_tokens), "--ignore-eos", "--threads", str(THREADS)],
+                            str(new_tokens), "--ignore-eos", "--warmup", "--threads", str(THREADS)],
                            capture_output=True, text=True, check=True, env=child_env())
         m = re.search(r"ttft ([\d.]+) ms; prefill \d+ tok at ([\d.]+) tok/s; decode \d+ tok at ([\d.]+) tok/s; "
                       r"peak RSS ([\d.]+) MiB", r.stderr)

@@ -2,7 +2,7 @@
 //
 //   spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt "..." [--chat]
 //                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads K]
-//                 [--ids] [--ignore-eos] [--verbose]
+//                 [--ids] [--ignore-eos] [--warmup] [--verbose]
 //   spinquant-run --tokenizer tokenizer.json --encode FILE     (prints the token ids of FILE)
 //
 // Prefill runs the whole prompt in one forward call, then one token per call; the KV cache lives
@@ -86,7 +86,7 @@ std::string missing_operators() {
 
 struct Args {
   std::string model, tokenizer, prompt, encode;
-  bool chat = false, ids = false, ignore_eos = false;
+  bool chat = false, ids = false, ignore_eos = false, warmup = false;
   int max_new_tokens = 128, threads = 2;
   double temperature = 0.0, top_p = 0.9;
   uint64_t seed = 0;
@@ -95,11 +95,13 @@ struct Args {
 const char* kUsage =
     "usage: spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt TEXT [--chat]\n"
     "                     [--max-new-tokens 128] [--temperature 0] [--top-p 0.9] [--seed 0] [--threads 2]\n"
-    "                     [--ids] [--ignore-eos] [--verbose]\n"
+    "                     [--ids] [--ignore-eos] [--warmup] [--verbose]\n"
     "       spinquant-run --tokenizer tokenizer.json --encode FILE\n"
     "--tokenizer defaults to tokenizer.json beside the .pte; --chat wraps the prompt in the chat\n"
     "template that `spinquant-et export` renders to chat.json beside it; --ids prints token ids\n"
-    "instead of text; temperature 0 is greedy; --verbose shows ExecuTorch's own log lines.\n";
+    "instead of text; temperature 0 is greedy; --warmup runs the prompt and one decode step once\n"
+    "before the timed run (the first calls of a program allocate and plan; benchmarks time warm calls);\n"
+    "--verbose shows ExecuTorch's own log lines.\n";
 
 Args parse(int argc, char** argv) {
   Args a;
@@ -117,6 +119,7 @@ Args parse(int argc, char** argv) {
       else if (k == "--chat") a.chat = true;
       else if (k == "--ids") a.ids = true;
       else if (k == "--ignore-eos") a.ignore_eos = true;
+      else if (k == "--warmup") a.warmup = true;
       else if (k == "--verbose" || k == "-v") g_verbose = true;  // read by the log handler
       else if (k == "--max-new-tokens") a.max_new_tokens = std::stoi(value());
       else if (k == "--threads") a.threads = std::stoi(value());
@@ -247,6 +250,32 @@ int run(const Args& a) {
     throw Fail("the prompt has " + std::to_string(ids.size()) + " tokens but the program's context is " +
                std::to_string(max_seq_len) + "; shorten it or re-export with a larger --max-seq-len");
 
+  // One forward call of `input` at position `start`, through forward_ctx as spinquant_et.runtime.use_ctx_method
+  // says: forward_ctx copies the filled K/V out of the cache, so a decode step past half the cache (and
+  // the very last position) runs through forward.
+  auto step = [&](std::vector<int64_t>& input, int64_t start) {
+    auto tokens = from_blob(input.data(), {1, static_cast<int>(input.size())}, executorch::aten::ScalarType::Long);
+    auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);
+    std::string method = "forward";
+    std::vector<EValue> inputs{EValue(*tokens), EValue(*start_pos)};
+    const int64_t filled = start + static_cast<int64_t>(input.size());
+    auto ctx = from_blob(ctx_values.data(), {static_cast<int>(filled)}, executorch::aten::ScalarType::Float);
+    if (has_ctx && filled < max_seq_len && (input.size() > 1 || 2 * filled <= max_seq_len)) {
+      method = "forward_ctx";
+      inputs.emplace_back(*ctx);
+    }
+    auto result = module.execute(method, inputs);
+    if (!result.ok()) throw Fail(method + " failed at position " + std::to_string(start) + " (error " +
+                                 std::to_string(int(result.error())) + ")");
+    return std::move(*result);
+  };
+  if (a.warmup && static_cast<int64_t>(ids.size()) < max_seq_len) {
+    // the timed run writes every position it reads again before reading it
+    std::vector<int64_t> prompt_ids(ids), one{ids.back()};
+    step(prompt_ids, 0);
+    step(one, static_cast<int64_t>(ids.size()));
+  }
+
   std::mt19937_64 rng(a.seed);
   spinquant::Utf8Streamer stream;
   int64_t pos = 0;
@@ -257,23 +286,8 @@ int run(const Args& a) {
   std::vector<int64_t> out_ids;
   while (generated < a.max_new_tokens && pos + static_cast<int64_t>(input.size()) <= max_seq_len) {
     auto t_step = Clock::now();
-    auto tokens = from_blob(input.data(), {1, static_cast<int>(input.size())}, executorch::aten::ScalarType::Long);
-    int64_t start = pos;
-    auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);
-    std::string method = "forward";
-    std::vector<EValue> inputs{EValue(*tokens), EValue(*start_pos)};
-    const int64_t filled = pos + static_cast<int64_t>(input.size());
-    auto ctx = from_blob(ctx_values.data(), {static_cast<int>(filled)}, executorch::aten::ScalarType::Float);
-    // as spinquant_et.runtime.use_ctx_method: forward_ctx copies the filled K/V out of the cache, so a
-    // decode step past half the cache (and the very last position) runs through forward
-    if (has_ctx && filled < max_seq_len && (input.size() > 1 || 2 * filled <= max_seq_len)) {
-      method = "forward_ctx";
-      inputs.emplace_back(*ctx);
-    }
-    auto result = module.execute(method, inputs);
-    if (!result.ok()) throw Fail(method + " failed at position " + std::to_string(pos) + " (error " +
-                                 std::to_string(int(result.error())) + ")");
-    const auto& logits = result->at(0).toTensor();
+    auto result = step(input, pos);
+    const auto& logits = result.at(0).toTensor();
     size_t vocab = logits.size(logits.dim() - 1);
     size_t next = sample(logits.const_data_ptr<float>() + (logits.numel() - vocab), vocab, a.temperature, a.top_p, rng);
     pos += input.size();
