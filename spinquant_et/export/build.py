@@ -130,9 +130,7 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         return make_linear(torch.cat(weights), None if scales[0] is None else torch.cat(scales), bias)
 
     def norm(name: str, dim: int) -> RMSNorm:
-        n = RMSNorm(dim, args.norm_eps).requires_grad_(False)
-        n.weight.copy_(_need(tensors, f"{name}.weight").float())
-        return n
+        return RMSNorm(dim, args.norm_eps).requires_grad_(False).load_weight(_need(tensors, f"{name}.weight"))
 
     layers = []
     for i in range(args.n_layers):

@@ -63,10 +63,21 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_weight = False
         self.register_buffer("mean_row", torch.full((1, dim), 1.0 / dim), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps) * self.weight
+        y = x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps)
+        # A weight fused into the linears that read this norm (SpinQuant's norm fusion) is all ones: no
+        # multiply then (one XNNPACK operator less to re-plan per call).
+        return y if self.unit_weight else y * self.weight
+
+    def load_weight(self, weight: torch.Tensor) -> "RMSNorm":
+        """Set the weight (a plain flag decides the multiply: export traces it as a constant)."""
+        with torch.no_grad():
+            self.weight.copy_(weight.float())
+        self.unit_weight = bool(torch.all(self.weight == 1))
+        return self
 
 
 def _dynamic_quant_per_token(x: torch.Tensor) -> torch.Tensor:
@@ -254,7 +265,6 @@ class Attention(nn.Module):
         self.register_buffer("r3", r3_heads, persistent=False)
         self.cache = KVCache(args)
         self.n_rep = nh // kvh
-        self.scale = hd**-0.5
         self.register_buffer("rot_half", rotate_half_matrix(hd), persistent=False)
 
     def _qkv(self, x, cos, sin):
@@ -278,7 +288,7 @@ class Attention(nn.Module):
         keys, values = self.cache.update(pos, k, v, window)  # [kv, n, hd]
         # GQA without copying the cache: fold each kv head's query heads into the row axis.
         q = q.view(kvh, -1, hd)  # [kv, rep * t, hd]
-        scores = torch.bmm(q, keys.transpose(1, 2)) * self.scale + mask
+        scores = torch.bmm(q, keys.transpose(1, 2)) + mask  # q arrives scaled by 1/sqrt(head_dim) (Transformer)
         out = torch.bmm(torch.softmax(scores, dim=-1), values)
         # reshape, not contiguous().view(): its symbolic size keeps o_proj out of the attention's XNNPACK
         # partition, which measured faster than one partition per layer (XNNPACK re-plans a partition on
@@ -368,10 +378,15 @@ class Transformer(nn.Module):
         self.output = output
         self.register_buffer("cos", cos, persistent=False)  # [max_seq, head_dim]
         self.register_buffer("sin", sin, persistent=False)
-        qk_heads = torch.zeros(args.n_heads + 2 * args.n_kv_heads, 1)
-        qk_heads[: args.n_heads + args.n_kv_heads] = 1.0
-        self.register_buffer("qk_heads", qk_heads, persistent=False)
-        self.register_buffer("v_heads", 1.0 - qk_heads, persistent=False)
+        # Per head, what RoPE's tables are multiplied by: attention's 1/sqrt(head_dim) for q heads (RoPE
+        # and R3 are linear, so the scores come out scaled without a multiply per layer; exact for a
+        # power-of-4 head_dim), 1 for k heads, 0 for v heads, whose cos is then set to 1 (see Attention).
+        # ExecuTorch's custom_sdpa (et-llama) scales itself.
+        n = args.n_heads + 2 * args.n_kv_heads
+        q_scale = args.head_dim**-0.5 if args.ops != "et-llama" else 1.0
+        rope_heads = torch.tensor([q_scale] * args.n_heads + [1.0] * args.n_kv_heads + [0.0] * args.n_kv_heads)
+        self.register_buffer("rope_heads", rope_heads.view(n, 1), persistent=False)
+        self.register_buffer("v_heads", (rope_heads == 0).float().view(n, 1), persistent=False)
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, ctx: torch.Tensor | None = None) -> torch.Tensor:
         """Logits after ``tokens`` at positions ``input_pos[0] ..``. With ``ctx`` (any tensor whose length
@@ -381,9 +396,9 @@ class Transformer(nn.Module):
         t = tokens.shape[1]
         window = None if ctx is None else ctx.shape[0]
         pos = input_pos[0] + torch.arange(t, dtype=torch.long)
-        # [t, heads, hd]: RoPE's tables for q and k heads, 1 and 0 for v heads (RoPE leaves them as they are)
-        cos = self.cos[pos][:, None, :] * self.qk_heads + self.v_heads
-        sin = self.sin[pos][:, None, :] * self.qk_heads
+        # [t, heads, hd]: RoPE's tables for q (scaled) and k heads, 1 and 0 for v heads (left as they are)
+        cos = self.cos[pos][:, None, :] * self.rope_heads + self.v_heads
+        sin = self.sin[pos][:, None, :] * self.rope_heads
         # The causal mask is computed, not stored: a [max_seq, max_seq] constant would be 16 MB at 2048.
         cols = torch.arange(self.args.max_seq_len if window is None else window)
         mask = torch.where(cols[None, :] <= pos[:, None], 0.0, float("-inf"))
