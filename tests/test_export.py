@@ -38,16 +38,24 @@ def test_exported_linears_hold_the_checkpoint_integers(tiny_ckpt):
 def test_export_model_matches_fake_quant_hf_model(tiny_ckpt):
     """The export model (KV cache, int8 cache, R3/R4 in graph) computes what the fake-quant HF model does,
     except the lm_head input, which the program quantizes to int8 (XNNPACK QD8 x QC8W)."""
-    from spinquant_et.checkpoint import load_quantized
-
-    model, _ = _eager_transformer(tiny_ckpt)
-    hf = load_quantized(tiny_ckpt).model
-    x = torch.randint(0, 384, (1, 24))
-    ref = hf(x).logits[0, 15:]
-    with torch.no_grad():
-        got = torch.cat([model(x[:, :16], torch.tensor([0]))] + [model(x[:, t : t + 1], torch.tensor([t])) for t in range(16, 24)])
+    got, ref = _export_and_hf_logits(tiny_ckpt, prompt=16, total=24)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def _export_and_hf_logits(ckpt, prompt: int, total: int):
+    """Logits of the export model (a prompt, then one token per call through its cache) and of the
+    fake-quant HF model, for the positions after the prompt's last but one."""
+    from spinquant_et.checkpoint import load_quantized
+
+    model, _ = _eager_transformer(ckpt)
+    hf = load_quantized(ckpt).model
+    x = torch.randint(0, 384, (1, total))
+    ref = hf(x).logits[0, prompt - 1:]
+    with torch.no_grad():
+        got = [model(x[:, :prompt], torch.tensor([0]))]  # fills the cache the steps then read
+        got += [model(x[:, t : t + 1], torch.tensor([t])) for t in range(prompt, total)]
+    return torch.cat(got), ref
 
 
 def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
@@ -117,17 +125,10 @@ def test_eval_of_pte_is_close_to_eager(tiny_pte, tiny_ckpt, capsys):
 def test_stacked_qkv_keeps_biases_and_head_norms(tiny_hf_dir, tmp_path, model_type):
     """q/k/v run as one linear with RoPE over all heads (v's rows of the tables are 1 and 0): Qwen2's
     biases and Qwen3's per-head q/k norms (v heads passed through) must give the fake-quant HF logits."""
-    from spinquant_et.checkpoint import load_quantized
-
     ckpt = tmp_path / "q"
     flags = ["--w-method", "rtn", "--kv-bits", "8"]
     assert main(["quantize", "--model", str(tiny_hf_dir[model_type]), *flags, "--out", str(ckpt)]) == 0
-    model, _ = _eager_transformer(ckpt)
-    hf = load_quantized(ckpt).model
-    x = torch.randint(0, 384, (1, 20))
-    ref = hf(x).logits[0, 11:]
-    with torch.no_grad():
-        got = torch.cat([model(x[:, :12], torch.tensor([0]))] + [model(x[:, t : t + 1], torch.tensor([t])) for t in range(12, 20)])
+    got, ref = _export_and_hf_logits(ckpt, prompt=12, total=20)
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
 
 
