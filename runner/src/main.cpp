@@ -269,7 +269,7 @@ int run(const Args& a) {
                                  std::to_string(int(result.error())) + ")");
     return std::move(*result);
   };
-  if (a.warmup && static_cast<int64_t>(ids.size()) < max_seq_len) {
+  if (a.warmup) {  // the prompt fits with a position to spare (checked above)
     // the timed run writes every position it reads again before reading it
     std::vector<int64_t> prompt_ids(ids), one{ids.back()};
     step(prompt_ids, 0);

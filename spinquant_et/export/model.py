@@ -66,8 +66,12 @@ class RMSNorm(nn.Module):
         self.unit_weight = False
         self.register_buffer("mean_row", torch.full((1, dim), 1.0 / dim), persistent=False)
 
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` over its root mean square, before the weight."""
+        return x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps)
+        y = self.normalize(x)
         # A weight fused into the linears that read this norm (SpinQuant's norm fusion) is all ones: no
         # multiply then (one XNNPACK operator less to re-plan per call).
         return y if self.unit_weight else y * self.weight
@@ -223,7 +227,7 @@ class HeadNorm(nn.Module):
 
     def __init__(self, q_norm: RMSNorm, k_norm: RMSNorm, n_heads: int, n_kv_heads: int):
         super().__init__()
-        self.eps = q_norm.eps
+        self.norm = q_norm  # its normalize(): eps and head_dim are q_norm's and k_norm's alike
         hd = q_norm.weight.shape[0]
         ones = torch.ones(n_kv_heads, hd)
         self.register_buffer("weight", torch.cat([q_norm.weight.detach().expand(n_heads, hd),
@@ -231,11 +235,9 @@ class HeadNorm(nn.Module):
         mask = torch.zeros(n_heads + 2 * n_kv_heads, 1)
         mask[: n_heads + n_kv_heads] = 1.0
         self.register_buffer("mask", mask)
-        self.register_buffer("mean_row", torch.full((1, hd), 1.0 / hd), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x * torch.rsqrt(F.linear(x * x, self.mean_row) + self.eps) * self.weight
-        return normed * self.mask + x * (1.0 - self.mask)
+        return self.norm.normalize(x) * self.weight * self.mask + x * (1.0 - self.mask)
 
 
 class Attention(nn.Module):
@@ -243,7 +245,7 @@ class Attention(nn.Module):
     cos/sin tables are 1/0, so RoPE leaves v as it is (exactly), and R3 is a per-head matrix that is the
     identity on v. Fewer, larger XNNPACK operators: a decode step's cost beyond its matmuls is XNNPACK
     re-planning every operator of the graph on every call (about 1 us each), so the operator count
-    matters (8-layer SmolLM2 shape: 0.96x base's decode step time). ``view(.., -1, ..)`` keeps one
+    matters (SmolLM2 W4A8 R1-R4: 0.951x the decode step of separate q/k/v linears). ``view(.., -1, ..)`` keeps one
     inferred dimension, the form XNNPACK delegates; after a permute torch.export writes ``reshape``'s -1
     as a symbolic size, which XNNPACK refuses, and the graph is cut there."""
 
