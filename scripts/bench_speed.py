@@ -5,7 +5,7 @@
 
 Rows: fp32 (no quantization), 8da4w without rotation, 8da4w with Hadamard R1-R4 (our default;
 also through the C++ runner when runner/build/spinquant-run exists, and through ``forward`` as
-ExecuTorch's stock runners run it instead of ``forward_ctx``: same file), the same with an int8 KV
+ExecuTorch's stock runners run it instead of ``forward_near``/``forward_ctx``: same file), the same with an int8 KV
 cache (R3 in the graph), the same with a 256-position cache (does speed follow the filled context or
 the capacity?), the same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp
 on the model's GGUF when ``llama-cpp-python`` is installed and the model is a .gguf (the demo model

@@ -3,7 +3,7 @@
     python scripts/profile_pte.py bench_out/8da4w_R1_R4-512.pte [--prompt-tokens 128 --steps 64]
 
 Runs one prompt, then ``--steps`` single-token decode calls through the KV cache (2 XNNPACK threads,
-as the runners use; through the program's ``forward_ctx`` as our runners do, or through
+as the runners use; through the methods our runners choose (``forward_near``, ``forward_ctx``), or through
 ``forward`` with ``--forward-only``), and prints one markdown table: each kind of operator (XNNPACK's own operator
 names inside delegate calls; ``native_call_*`` and custom ops outside them), its calls per token,
 its milliseconds per token and its share of ``Method::execute``. "delegate call overhead" is the
@@ -40,7 +40,7 @@ def profile(pte: Path, prompt_tokens: int, steps: int, forward_only: bool = Fals
 
     model = PteModel(pte, etdump=True)
     if forward_only:
-        model.has_ctx = False
+        model.methods = {"forward"}
     if prompt_tokens + steps >= model.max_seq_len:
         raise SpinQuantError(f"--prompt-tokens + --steps must stay below the program's max_seq_len {model.max_seq_len}")
     generator = torch.Generator().manual_seed(0)
@@ -57,8 +57,8 @@ def profile(pte: Path, prompt_tokens: int, steps: int, forward_only: bool = Fals
     for block in inspector.event_blocks:  # one per method, in the order of their first calls
         if not any(event.name == "DELEGATE_CALL" for event in block.events):
             continue  # a metadata method (get_max_seq_len, ...)
-        # The first model method to run (forward_ctx, or forward with --forward-only) takes the prompt
-        # in its first call; every other call is a decode step.
+        # The first model method to run (the one runtime.choose_method picks for the prompt) takes the
+        # prompt in its first call; every other call is a decode step.
         skip = 0 if prompt_seen else 1
         prompt_seen = True
         for event in block.events:
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pte", type=Path)
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length before the decode steps (default 128)")
     p.add_argument("--steps", type=int, default=64, help="profiled decode steps (default 64)")
-    p.add_argument("--forward-only", action="store_true", help="decode through forward, not forward_ctx")
+    p.add_argument("--forward-only", action="store_true", help="decode through forward, not forward_near/forward_ctx")
     args = p.parse_args(argv)
     try:
         rows, total = profile(args.pte, args.prompt_tokens, args.steps, args.forward_only)

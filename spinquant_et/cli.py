@@ -153,12 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_flags(x)
     x.add_argument("--max-seq-len", type=int, default=None,
                    help="KV cache length = the longest prompt + generation; the program's memory follows it, "
-                   f"its speed through our runners does not (forward_ctx) (default {DEFAULT_MAX_SEQ_LEN}, or the "
+                   f"its speed through our runners does not (forward_near, forward_ctx) (default {DEFAULT_MAX_SEQ_LEN}, or the "
                    "model's max_position_embeddings where that is shorter)")
     x.add_argument("--forward-only", dest="ctx_method", action="store_false",
-                   help="lower forward alone, without forward_ctx (forward whose attention reads only the filled "
-                   "context, which our Python and C++ runners call for prompts and for decode up to half the cache): "
-                   "half the lowering time, but every step then attends over the whole --max-seq-len cache")
+                   help="lower forward alone, without forward_near (decode steps attending to a copy of the first 256 "
+                   "positions, read in place) and forward_ctx (attention over the filled context), which our Python and C++ "
+                   "runners call while they fit: a third of the lowering time, but every step then attends over the "
+                   "whole --max-seq-len cache")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
                    "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "
@@ -258,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=5, help="default 5")
     b.add_argument("--forward-only", action="store_true",
                    help="prefill and decode through forward (attention over the whole cache), as ExecuTorch's "
-                   "stock runners do, instead of the program's forward_ctx")
+                   "stock runners do, instead of the program's forward_near and forward_ctx")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -533,7 +534,7 @@ def cmd_bench(args) -> int:
 
     model = PteModel(args.pte)
     if args.forward_only:
-        model.has_ctx = False
+        model.methods = {"forward"}
     tokenizer = _tokenizer_for(args.pte, args.tokenizer)
     if args.prompt_tokens:
         from .data import builtin_text, tokenize
@@ -548,7 +549,7 @@ def cmd_bench(args) -> int:
     summary = {k: {"min": min(v), "median": statistics.median(v), "max": max(v)} for k, v in rows.items()}
     rss = peak_rss_mib()  # the whole process: Python, torch and the program
     if args.json:
-        print(json.dumps({"pte": args.pte, "forward_ctx": model.has_ctx, "prompt_tokens": len(ids),
+        print(json.dumps({"pte": args.pte, "methods": sorted(model.methods), "prompt_tokens": len(ids),
                           "new_tokens": args.max_new_tokens,
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), **summary, "peak_rss_mib": rss}))
     else:

@@ -85,7 +85,7 @@ def tiny_ckpt(tiny_hf_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_pte(tiny_ckpt, tmp_path_factory):
-    """``tiny_ckpt`` lowered (portable ops: ``forward`` and ``forward_ctx``), tokenizer.json beside it.
+    """``tiny_ckpt`` lowered (portable ops: ``forward``, ``forward_ctx`` and ``forward_near``), tokenizer.json beside it.
     Lowering takes ~40 s: shared."""
     from spinquant_et.cli import main
 

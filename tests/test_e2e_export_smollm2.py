@@ -25,7 +25,7 @@ def smollm2_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
     qm = quantize(load_model("smollm2-135m"), RECIPE, progress=False)
     ckpt = save_quantized(qm, root / "ckpt")
-    # forward and forward_ctx (our runtime's): every token of the windows below goes through forward_ctx
+    # forward, forward_ctx and forward_near (near_len 256): every token of the windows below goes through forward_near
     result = export(str(ckpt), None, root / "smollm2.pte", max_seq_len=512)
     return ckpt, result
 

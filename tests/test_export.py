@@ -61,14 +61,21 @@ def _export_and_hf_logits(ckpt, prompt: int, total: int):
 def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
     from spinquant_et.runtime import PteModel
 
+    from spinquant_et.runtime import choose_method
+
     pte = PteModel(tiny_pte)
-    assert pte.max_seq_len == MAX_SEQ and pte.has_ctx  # every call below goes through forward_ctx
-    model, _ = _eager_transformer(tiny_ckpt)
-    x = torch.randint(0, 384, (1, 20)).tolist()[0]
+    assert pte.max_seq_len == MAX_SEQ and pte.near_len == MAX_SEQ // 2
+    assert pte.methods == {"forward", "forward_ctx", "forward_near"}
+    model, _ = _eager_transformer(tiny_ckpt)  # attention over the whole cache throughout
+    x = torch.randint(0, 384, (1, 60)).tolist()[0]
+    # the prompt through forward_ctx, decode steps up to near_len (48) through forward_near, four tokens at
+    # once past it through forward_ctx, then decode steps past half the cache through forward: one cache
+    calls = [(x[:12], 0)] + [([x[t]], t) for t in range(12, 48)] + [(x[48:52], 48)] + [([x[t]], t) for t in range(52, 60)]
+    used = [choose_method(len(ids), pos + len(ids), MAX_SEQ, pte.methods, pte.near_len) for ids, pos in calls]
+    assert used[0] == used[-9] == "forward_ctx" and used[1] == used[-13] == "forward_near" and used[-1] == "forward"
     with torch.no_grad():
-        ref = torch.stack([model(torch.tensor([x[:12]]), torch.tensor([0]))[0]]
-                          + [model(torch.tensor([[x[t]]]), torch.tensor([t]))[0] for t in range(12, 20)])
-    got = torch.stack([pte.forward(x[:12], 0)] + [pte.forward([x[t]], t) for t in range(12, 20)])
+        ref = torch.stack([model(torch.tensor([ids]), torch.tensor([pos]))[0] for ids, pos in calls])
+    got = torch.stack([pte.forward(ids, pos) for ids, pos in calls])
     # XNNPACK's own dynamic quantization rounds a few activations differently from the reference
     # ops; on a random tiny model that moves logits ~1%, far below the gap between tokens.
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
@@ -194,11 +201,11 @@ def test_export_straight_from_a_float_model(tiny_hf_dir, tmp_path):
     pte = PteModel(out)
     ids, stats = generate(pte, [5, 6, 7, 8], 8, stop_at_eos=False)
     assert len(ids) == 8 and stats.prompt_tokens == 4
-    # forward_ctx (attention over the filled context) computes what forward (the whole cache) does
-    assert pte.has_ctx
+    # forward_near (attention over the near cache) computes what forward (the whole cache) does
+    assert pte.methods == {"forward", "forward_ctx", "forward_near"} and pte.near_len == 32
     x = [5, 6, 7, 8, *ids]
     by_ctx = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
-    pte.has_ctx = False
+    pte.methods = {"forward"}
     by_forward = torch.stack([pte.forward(x[:4], 0)] + [pte.forward([x[t]], t) for t in range(4, 12)])
     assert ((by_ctx - by_forward).norm() / by_forward.norm()).item() < 1e-4
     assert torch.equal(by_ctx.argmax(-1), by_forward.argmax(-1))
@@ -270,11 +277,44 @@ def test_attention_over_the_filled_context_computes_what_the_whole_cache_compute
 
 
 def test_runners_take_forward_ctx_for_prompts_and_for_decode_up_to_half_the_cache():
-    from spinquant_et.runtime import use_ctx_method
+    from spinquant_et.runtime import choose_method, use_ctx_method
 
     assert use_ctx_method(100, 100, 2048) and use_ctx_method(1500, 1500, 2048)  # prompts: the copy is shared
     assert use_ctx_method(1, 1024, 2048) and not use_ctx_method(1, 1025, 2048)  # decode: up to half the cache
     assert not use_ctx_method(2, 2048, 2048)  # the very last position: forward's
+    # decode steps through forward_near while the filled context fits its cache, never past it; prompts never
+    every = {"forward", "forward_ctx", "forward_near"}
+    assert choose_method(1, 256, 2048, every, 256) == "forward_near"
+    assert choose_method(200, 256, 2048, every, 256) == choose_method(2, 3, 2048, every, 256) == "forward_ctx"
+    assert choose_method(1, 257, 2048, every, 256) == "forward_ctx"
+    assert choose_method(1, 100, 2048, {"forward", "forward_ctx"}, 256) == "forward_ctx"
+    assert choose_method(1, 100, 2048, {"forward"}, 0) == "forward"
+
+
+@pytest.mark.parametrize("kv_bits", [8, 16])
+def test_near_cache_attention_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_bits):
+    """forward_near reads a copy of the first near_len positions that every method writes (positions past it
+    go to a row no query sees): switching methods mid-sequence gives the whole-cache logits."""
+    from spinquant_et.models import load_model
+    from spinquant_et.quantize import quantize
+
+    loaded = load_model(str(tiny_hf_dir["llama"]))
+    qm = quantize(loaded, QuantRecipe(w_method="rtn", kv_bits=kv_bits), progress=False)
+    args = (qm.checkpoint_tensors(), loaded.model.config, loaded.arch, qm.recipe, MAX_SEQ)
+    near, whole = build_transformer(*args, near_len=16), build_transformer(*args)
+    assert near.args.near_len == 16 and whole.args.near_len == 0
+    x = torch.randint(0, 384, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = [whole(x[:, :10], torch.tensor([0]))] + [whole(x[:, t : t + 1], torch.tensor([t])) for t in range(10, 40)]
+        near.near = True  # what forward_near runs, up to position 15
+        got = [near(x[:, :10], torch.tensor([0]))] + [near(x[:, t : t + 1], torch.tensor([t])) for t in range(10, 16)]
+        near.near = False  # then the window and the whole cache, which the near steps wrote too
+        got += [near(x[:, t : t + 1], torch.tensor([t]), torch.zeros(t + 1)) for t in range(16, 28)]
+        got += [near(x[:, t : t + 1], torch.tensor([t])) for t in range(28, 40)]
+        near.near = True  # positions 16.. went to the near cache's last row: a near read still sees 0..15 only
+        again = near(x[:, 10:11], torch.tensor([10]))
+    torch.testing.assert_close(torch.cat(got), torch.cat(ref), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, ref[1], rtol=1e-4, atol=1e-4)
 
 
 def test_forward_only_program_and_the_default_context(tiny_ckpt, tmp_path):
@@ -285,7 +325,7 @@ def test_forward_only_program_and_the_default_context(tiny_ckpt, tmp_path):
     out = tmp_path / "x.pte"
     assert main(["export", "--model", str(tiny_ckpt), "--forward-only", "--out", str(out)]) == 0
     pte = PteModel(out)
-    assert not pte.has_ctx and "forward_ctx" not in pte.program.method_names and pte.max_seq_len == 512
+    assert pte.methods == {"forward"} and pte.max_seq_len == 512
     assert json.loads((tmp_path / "x.recipe.json").read_text())["methods"] == ["forward"]
     ids, _ = generate(pte, [5, 6, 7], 4, stop_at_eos=False)
     assert len(ids) == 4

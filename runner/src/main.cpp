@@ -213,7 +213,7 @@ int run(const Args& a) {
 
   std::ifstream probe(a.model);
   if (!probe) throw Fail(".pte not found: " + a.model);
-  // share_memory_arenas: forward and forward_ctx read and write one KV cache (one allocation)
+  // share_memory_arenas: forward, forward_ctx and forward_near read and write one KV cache (one allocation)
   Module module(a.model, Module::LoadMode::MmapUseMlockIgnoreErrors, nullptr, nullptr, nullptr,
                 /*share_memory_arenas=*/true);
   if (module.load() != Error::Ok) throw Fail(a.model + " is not an ExecuTorch program (corrupt or not a .pte); re-export it");
@@ -224,13 +224,19 @@ int run(const Args& a) {
   if (err != Error::Ok) throw Fail(a.model + ": cannot load its forward method (error " + std::to_string(int(err)) + ")");
   // forward_ctx(tokens, start_pos, ctx): forward whose attention reads only the cache's first len(ctx)
   // positions (the filled context); ctx's values are never read, only its length.
-  bool has_ctx = false;
-  if (auto names = module.method_names(); names.ok() && names->count("forward_ctx")) {
-    if (module.load_method("forward_ctx") != Error::Ok) throw Fail(a.model + ": cannot load its forward_ctx method");
-    has_ctx = true;
-  }
+  // forward_near(token, start_pos): one decode step whose attention reads, in place, a copy of the cache's
+  // first get_near_len positions that every method writes (right while the filled context fits in it).
+  auto load_optional = [&](const char* name) {
+    auto names = module.method_names();
+    if (!names.ok() || !names->count(name)) return false;
+    if (module.load_method(name) != Error::Ok) throw Fail(a.model + ": cannot load its " + name + " method");
+    return true;
+  };
+  const bool has_ctx = load_optional("forward_ctx"), has_near = load_optional("forward_near");
   auto max_len = metadata_ints(module, "get_max_seq_len");
   const int64_t max_seq_len = max_len.empty() ? 128 : max_len[0];
+  auto near_lens = metadata_ints(module, "get_near_len");
+  const int64_t near_len = near_lens.empty() ? 0 : near_lens[0];
   std::vector<float> ctx_values(max_seq_len, 0.0f);
   auto eos_list = metadata_ints(module, "get_eos_ids");
   std::set<int64_t> eos(eos_list.begin(), eos_list.end());
@@ -250,9 +256,9 @@ int run(const Args& a) {
     throw Fail("the prompt has " + std::to_string(ids.size()) + " tokens but the program's context is " +
                std::to_string(max_seq_len) + "; shorten it or re-export with a larger --max-seq-len");
 
-  // One forward call of `input` at position `start`, through forward_ctx as spinquant_et.runtime.use_ctx_method
-  // says: forward_ctx copies the filled K/V out of the cache, so a decode step past half the cache (and
-  // the very last position) runs through forward.
+  // One forward call of `input` at position `start`, through the method spinquant_et.runtime.choose_method
+  // picks: a decode step through forward_near while the context fits its cache; else forward_ctx, which copies the filled K/V
+  // out of the cache, so a decode step past half the cache (and the very last position) runs through forward.
   auto step = [&](std::vector<int64_t>& input, int64_t start) {
     auto tokens = from_blob(input.data(), {1, static_cast<int>(input.size())}, executorch::aten::ScalarType::Long);
     auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);
@@ -260,7 +266,9 @@ int run(const Args& a) {
     std::vector<EValue> inputs{EValue(*tokens), EValue(*start_pos)};
     const int64_t filled = start + static_cast<int64_t>(input.size());
     auto ctx = from_blob(ctx_values.data(), {static_cast<int>(filled)}, executorch::aten::ScalarType::Float);
-    if (has_ctx && filled < max_seq_len && (input.size() > 1 || 2 * filled <= max_seq_len)) {
+    if (has_near && input.size() == 1 && filled <= near_len) {
+      method = "forward_near";
+    } else if (has_ctx && filled < max_seq_len && (input.size() > 1 || 2 * filled <= max_seq_len)) {
       method = "forward_ctx";
       inputs.emplace_back(*ctx);
     }

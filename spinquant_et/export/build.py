@@ -73,6 +73,9 @@ OPS = ("portable", "et-llama")
 # The KV cache of a chat-sized context; forward_ctx makes prefill and decode cost what the filled
 # context costs, so a longer cache costs memory, not speed (see export.lower).
 DEFAULT_MAX_SEQ_LEN = 2048
+# forward_near's cache: short contexts attend in place. The copy it saves grows with the context, while
+# reading near_len + 1 positions costs the same at any context; 256 is what a 256-position program reads.
+NEAR_LEN = 256
 
 
 def check_ops(ops: str, recipe: QuantRecipe) -> None:
@@ -85,9 +88,10 @@ def check_ops(ops: str, recipe: QuantRecipe) -> None:
 
 
 def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, recipe: QuantRecipe,
-                      max_seq_len: int | None, ops: str = "portable") -> Transformer:
+                      max_seq_len: int | None, ops: str = "portable", near_len: int = 0) -> Transformer:
     """The exportable model; quantized tensors are used as stored (``<name>.weight`` int8 + ``.scales``).
-    ``max_seq_len`` None: ``DEFAULT_MAX_SEQ_LEN``, or the model's own limit where that is shorter."""
+    ``max_seq_len`` None: ``DEFAULT_MAX_SEQ_LEN``, or the model's own limit where that is shorter.
+    ``near_len``: the near cache's length (``KVCache``; portable ops only), at most half the cache."""
     check_exportable(recipe)
     check_ops(ops, recipe)
     limit = getattr(config, "max_position_embeddings", None)
@@ -102,6 +106,7 @@ def build_transformer(tensors: dict[str, torch.Tensor], config, arch: ArchSpec, 
         max_seq_len=max_seq_len, w_bits=recipe.w_bits, group_size=recipe.group_size, a_bits=recipe.a_bits,
         kv_bits=recipe.kv_bits, lm_head_bits=recipe.lm_head_bits, embedding_bits=recipe.embedding_bits,
         rotated=recipe.rotated, qkv_bias=arch.qkv_bias, qk_norm=arch.qk_norm, ops=ops,
+        near_len=min(near_len, max_seq_len // 2) if ops == "portable" else 0,
     )
 
     # R4 with two Kronecker factors runs with one transpose if gate/up output rows are permuted

@@ -1,13 +1,18 @@
 """torch.export -> XNNPACK (to_edge_transform_and_lower) -> ``.pte``, with the LLM runner's metadata methods.
 
 Programs hold ``forward`` (any number of tokens, attention over the whole cache: what ExecuTorch's
-stock runners call) and, for the portable ops, ``forward_ctx(tokens, input_pos, ctx)``: the same, but
-attention reads only the cache's first ``len(ctx)`` positions. The length comes from an input's shape,
-so torch.export makes it a backed dynamic size that XNNPACK delegates (derived from ``input_pos`` it
-would be unbacked, which XNNPACK's partitioner refuses). Both methods share the KV-cache buffers and
-the weights (stored once); our runners call ``forward_ctx`` with ``len(ctx)`` = the filled context
-for prompts and for decode steps up to half the cache (``runtime.use_ctx_method``), so those cost
-what the context costs, not ``--max-seq-len``.
+stock runners call) and, for the portable ops:
+
+* ``forward_ctx(tokens, input_pos, ctx)``: the same, but attention reads only the cache's first
+  ``len(ctx)`` positions. The length comes from an input's shape, so torch.export makes it a backed
+  dynamic size that XNNPACK delegates (derived from ``input_pos`` it would be unbacked, which XNNPACK's
+  partitioner refuses). That window is a copy of those positions (ExecuTorch has no strided views);
+* ``forward_near(token, input_pos)`` when the model has a near cache (``ExportArgs.near_len``): one
+  decode step whose attention reads the near cache in place, a copy of the first ``near_len``
+  positions that every method writes. Right while the filled context is at most ``near_len``.
+
+All methods share the KV-cache buffers and the weights (stored once); our runners pick the method per
+call (``runtime.choose_method``), so a step costs what its context costs, not ``--max-seq-len``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..io import atomic_output_file
-from ..runtime import CTX_METHOD
+from ..runtime import CTX_METHOD, NEAR_METHOD
 from .model import Transformer
 
 log = logging.getLogger(__name__)
@@ -32,6 +37,7 @@ def metadata_methods(model: Transformer, bos_id: int | None, eos_ids: list[int])
     a = model.args
     meta = {
         "get_max_seq_len": a.max_seq_len,
+        "get_near_len": a.near_len,  # forward_near's limit on the filled context (0: no forward_near)
         "get_max_context_len": a.max_seq_len,
         "use_kv_cache": True,
         "use_sdpa_with_kv_cache": a.ops == "et-llama",
@@ -45,16 +51,23 @@ def metadata_methods(model: Transformer, bos_id: int | None, eos_ids: list[int])
     return meta
 
 
-def export_program(model: Transformer, ctx: bool = False):
-    """``torch.export`` of ``forward`` with a dynamic token count ``1 .. max_seq_len - 1``; with ``ctx``,
-    of ``forward_ctx``: the same plus a dynamic context length ``1 .. max_seq_len - 1`` (the length of a
-    third input) that attention reads."""
+def export_program(model: Transformer, method: str = "forward"):
+    """``torch.export`` of ``forward`` with a dynamic token count ``1 .. max_seq_len - 1``; of
+    ``forward_ctx``: the same plus a dynamic context length ``1 .. max_seq_len - 1`` (the length of a
+    third input) that attention reads; of ``forward_near``: one token (static shapes), attending to the
+    near cache."""
     max_t = model.args.max_seq_len - 1
     tokens = torch.zeros(1, min(4, max_t), dtype=torch.long)
     pos = torch.tensor([0], dtype=torch.long)
     seq = torch.export.Dim("seq_len", min=1, max=max_t)
     with torch.no_grad():
-        if not ctx:
+        if method == NEAR_METHOD:
+            model.near = True
+            try:
+                return torch.export.export(model, (tokens[:, :1], pos), strict=False)
+            finally:
+                model.near = False
+        if method == "forward":
             return torch.export.export(model, (tokens, pos), dynamic_shapes=({1: seq}, None), strict=False)
         # The context may not reach max_seq_len: at that length the slice is the whole cache and
         # torch.export specializes it away; runners run the very last position through forward.
@@ -118,11 +131,16 @@ def _reporting_partitioner(method: str, stages: _Stages, last: bool):
     return Reporting()
 
 
+def program_methods(model: Transformer, ctx_method: bool) -> list[str]:
+    """The methods a program of ``model`` holds."""
+    return ["forward"] + ([CTX_METHOD] if ctx_method else []) + ([NEAR_METHOD] if model.args.near_len else [])
+
+
 def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: bool = False,
                  ctx_method: bool = False, progress: bool = True) -> dict[str, float]:
-    """Export ``forward`` (and ``forward_ctx`` with ``ctx_method``), lower to XNNPACK and write ``out``
-    atomically. Returns seconds per phase."""
-    names = ["forward"] + ([CTX_METHOD] if ctx_method else [])
+    """Export ``forward`` (and ``forward_ctx`` with ``ctx_method``; ``forward_near`` when the model has a
+    near cache), lower to XNNPACK and write ``out`` atomically. Returns seconds per phase."""
+    names = program_methods(model, ctx_method)
     stages = _Stages(3 * len(names) + 2, progress)
 
     times = {}
@@ -146,7 +164,7 @@ def _lower(model, out, metadata, force, names, stages, times) -> None:
         programs = {}
         for name in names:
             stages.start(f"export {name}")
-            programs[name] = export_program(model, ctx=name == CTX_METHOD)
+            programs[name] = export_program(model, name)
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         edge = to_edge_transform_and_lower(

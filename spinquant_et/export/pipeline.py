@@ -12,8 +12,8 @@ from pathlib import Path
 from ..errors import SpinQuantError
 from ..io import usual_mode
 from ..recipe import QuantRecipe
-from .build import build_transformer, check_exportable, check_ops
-from .lower import lower_to_pte, metadata_methods
+from .build import NEAR_LEN, build_transformer, check_exportable, check_ops
+from .lower import lower_to_pte, metadata_methods, program_methods
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
            force: bool = False, ops: str = "portable", calib_text: str | None = None,
            ctx_method: bool = True) -> ExportResult:
     """Quantize ``model`` with ``recipe`` (or take a quantized checkpoint as it is) and lower it to ``out``,
-    with ``forward_ctx`` beside ``forward`` when ``ctx_method`` and the ops are portable (see ``lower``;
-    et-llama attention already stops at the current position)."""
+    with ``forward_ctx`` and ``forward_near`` beside ``forward`` when ``ctx_method`` and the ops are portable
+    (see ``lower``; et-llama attention already stops at the current position)."""
     out = Path(out)
     refuse_existing_outputs(out, force)
     seconds: dict[str, float] = {}
@@ -136,17 +136,17 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
             tokenizer = loaded.tokenizer
     seconds["quantize"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops)
+    ctx_method = ctx_method and ops == "portable"
+    transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops, NEAR_LEN if ctx_method else 0)
     seconds["build"] = time.perf_counter() - t0
     bos = tokenizer.bos_token_id
-    ctx_method = ctx_method and ops == "portable"
     meta = metadata_methods(transformer, bos, eos_ids(tokenizer, config))
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.files.") as staging:
         staging = Path(staging)
         stage_tokenizer(tokenizer, staging)  # before the long lowering: a tokenizer problem fails fast
         sidecar = {**json.loads(recipe.to_json()), "max_seq_len": transformer.args.max_seq_len, "ops": ops,
-                   "methods": ["forward"] + (["forward_ctx"] if ctx_method else [])}
+                   "methods": program_methods(transformer, ctx_method)}
         (staging / f"{out.stem}.recipe.json").write_text(json.dumps(sidecar, indent=2))
         seconds.update(lower_to_pte(transformer, out, meta, force, ctx_method))
         written = {f.name for f in staging.iterdir()}
