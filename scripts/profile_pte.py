@@ -3,8 +3,9 @@
     python scripts/profile_pte.py bench_out/8da4w_R1_R4-512.pte [--prompt-tokens 128 --steps 64]
 
 Runs one prompt, then ``--steps`` single-token decode calls through the KV cache (2 XNNPACK threads,
-as the runners use; through the methods our runners choose (``forward_near``, ``forward_ctx``), or through
-``forward`` with ``--forward-only``), and prints one markdown table: each kind of operator (XNNPACK's own operator
+as the runners use; through the methods our runners choose (``forward_near``, ``forward_ctx``), through
+``forward`` with ``--forward-only``, or as the runners would choose among ``--methods`` only: e.g.
+``--methods forward,forward_ctx`` profiles a file as a program without ``forward_near``), and prints one markdown table: each kind of operator (XNNPACK's own operator
 names inside delegate calls; ``native_call_*`` and custom ops outside them), its calls per token,
 its milliseconds per token and its share of ``Method::execute``. "delegate call overhead" is the
 delegate calls' time not spent in any XNNPACK operator: ExecuTorch's XNNPACK executor reshapes the
@@ -30,8 +31,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: see spinquant_et.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def profile(pte: Path, prompt_tokens: int, steps: int, forward_only: bool = False) -> tuple[dict[str, list[float]], float]:
-    """``{operator kind: [calls per token, ms per token]}`` over the decode steps, and ms per token."""
+def profile(pte: Path, prompt_tokens: int, steps: int, methods: set[str] | None = None) -> tuple[dict[str, list[float]], float]:
+    """``{operator kind: [calls per token, ms per token]}`` over the decode steps, and ms per token; the
+    runtime chooses among ``methods`` (default: all the program has)."""
     import torch
     from executorch.devtools import Inspector
 
@@ -39,8 +41,11 @@ def profile(pte: Path, prompt_tokens: int, steps: int, forward_only: bool = Fals
     from spinquant_et.runtime import PteModel
 
     model = PteModel(pte, etdump=True)
-    if forward_only:
-        model.methods = {"forward"}
+    if methods is not None:
+        if "forward" not in methods or not methods <= model.methods:
+            raise SpinQuantError(f"--methods must include forward and only name methods of {pte}: "
+                                 f"{', '.join(sorted(model.methods))}")
+        model.methods = set(methods)
     if prompt_tokens + steps >= model.max_seq_len:
         raise SpinQuantError(f"--prompt-tokens + --steps must stay below the program's max_seq_len {model.max_seq_len}")
     generator = torch.Generator().manual_seed(0)
@@ -96,13 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length before the decode steps (default 128)")
     p.add_argument("--steps", type=int, default=64, help="profiled decode steps (default 64)")
     p.add_argument("--forward-only", action="store_true", help="decode through forward, not forward_near/forward_ctx")
+    p.add_argument("--methods", help="comma-separated methods the runtime may choose from (forward among them; "
+                   "default: all the program has)")
     args = p.parse_args(argv)
+    methods = {"forward"} if args.forward_only else set(args.methods.split(",")) if args.methods else None
     try:
-        rows, total = profile(args.pte, args.prompt_tokens, args.steps, args.forward_only)
+        rows, total = profile(args.pte, args.prompt_tokens, args.steps, methods)
     except SpinQuantError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{args.pte}: decode after a {args.prompt_tokens}-token prompt, mean of {args.steps} steps")
+    print(f"{args.pte}: decode after a {args.prompt_tokens}-token prompt, mean of {args.steps} steps"
+          + (f" (methods: {', '.join(sorted(methods))})" if methods else ""))
     print(table(rows, total))
     return 0
 

@@ -142,7 +142,8 @@ def test_profile_pte_accounts_for_the_decode_time(tiny_pte, tmp_path):
     """The per-operator table of a tiny .pte: its quantized linears are there with one call per
     linear and token (2 layers x q/k/v stacked, o, gate+up stacked, down), and the rows add up to no more
     than the whole method's time."""
-    for flags in ([], ["--forward-only"]):  # forward_ctx throughout, or forward throughout
+    # forward_near's decode steps, forward_ctx's, or forward's
+    for flags in ([], ["--methods", "forward,forward_ctx"], ["--forward-only"]):
         r = _run([str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--prompt-tokens", "8", "--steps", "4", *flags],
                  tmp_path)
         rows = {}
@@ -159,3 +160,9 @@ def test_profile_pte_refuses_more_steps_than_the_cache_holds(tiny_pte, tmp_path)
     r = subprocess.run([sys.executable, str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--steps", "500"], cwd=tmp_path,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "max_seq_len 96" in r.stderr
+
+
+def test_profile_pte_refuses_methods_the_runtime_cannot_run_alone(tiny_pte, tmp_path):
+    r = subprocess.run([sys.executable, str(SCRIPTS / "profile_pte.py"), str(tiny_pte), "--methods", "forward_near"],
+                       cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 2 and "--methods must include forward" in r.stderr

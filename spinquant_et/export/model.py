@@ -192,18 +192,18 @@ class KVCache(nn.Module):
             shape = (1, args.max_seq_len, args.n_kv_heads, args.head_dim)
         self.quantized = args.kv_bits == 8
         self.near_len = args.near_len
-        self._stored = self._register("", shape)
+        self._stored = self._register("", shape, self.quantized)
         if self.near_len:
-            self._stored_near = self._register("near_", (shape[0], self.near_len + 1, shape[2]))
+            self._stored_near = self._register("near_", (shape[0], self.near_len + 1, shape[2]), False)
 
-    def _register(self, prefix: str, shape) -> list[str]:
+    def _register(self, prefix: str, shape, quantized: bool) -> list[str]:
         """Buffers of one cache; names in the order ``_quantize`` returns its parts (k's, then v's)."""
-        dtype = torch.int8 if self.quantized else torch.float32
+        dtype = torch.int8 if quantized else torch.float32
         names = []
         for kv in ("k", "v"):
             self.register_buffer(prefix + kv, torch.zeros(shape, dtype=dtype), persistent=False)
             names.append(prefix + kv)
-            if self.quantized:
+            if quantized:
                 qshape = (*shape[:-1], 1)
                 # float64 scales: ExecuTorch's per-token quantize kernel requires double
                 self.register_buffer(f"{prefix}{kv}_scale", torch.ones(qshape, dtype=torch.float64), persistent=False)
@@ -225,24 +225,35 @@ class KVCache(nn.Module):
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None):
         """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return what attention reads: the whole
         cache (``window`` None), its first ``window`` positions (forward_ctx's symbolic context length) or
-        the near cache (``NEAR``), dequantized when int8."""
+        the near cache (``NEAR``), dequantized when int8.
+
+        The near cache is float even beside an int8 cache: it holds the new K/V quantized and dequantized
+        at once, exactly what a later dequantize of the int8 cache returns, so forward_near reads it with no
+        per-step dequantize of every position (ExecuTorch's portable kernel; XNNPACK takes no int8 -> float
+        cast). That costs (near_len + 1) x 4 bytes per cached value, fixed, where the int8 cache that follows
+        --max-seq-len keeps its 1 byte."""
         near = window is NEAR
-        parts = (k, v) if not self.quantized else (*self._quantize(k), *self._quantize(v))
+        if not self.quantized:
+            parts = near_parts = (k, v)
+        else:
+            qk, qv = self._quantize(k), self._quantize(v)
+            parts, near_parts = (*qk, *qv), (self._dequantize(*qk), self._dequantize(*qv))
         for name, part in zip(self._stored, parts):
             getattr(self, name)[:, pos] = part
         if self.near_len:
             near_pos = torch.where(pos < self.near_len, pos, self.near_len)
-            for name, part in zip(self._stored_near, parts):
+            for name, part in zip(self._stored_near, near_parts):
                 getattr(self, name)[:, near_pos] = part
+            if near:
+                return self.near_k, self.near_v
 
         def read(name):  # a window of the cache is a copy of those positions (cost follows the context)
             t = getattr(self, name)
-            return t if near or window is None else t.narrow(1, 0, window)
+            return t if window is None else t.narrow(1, 0, window)
 
-        names = self._stored_near if near else self._stored
         if not self.quantized:
-            return read(names[0]), read(names[1])
-        return self._dequantize(*map(read, names[:3])), self._dequantize(*map(read, names[3:]))
+            return read("k"), read("v")
+        return self._dequantize(*map(read, self._stored[:3])), self._dequantize(*map(read, self._stored[3:]))
 
 
 class HeadNorm(nn.Module):
