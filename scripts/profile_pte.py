@@ -5,8 +5,9 @@
 Runs one prompt, then ``--steps`` single-token decode calls through the KV cache (2 XNNPACK threads,
 as the runners use; through the methods our runners choose (``forward_near``, ``forward_ctx``), through
 ``forward`` with ``--forward-only``, or as the runners would choose among ``--methods`` only: e.g.
-``--methods forward,forward_ctx`` profiles a file as a program without ``forward_near``), and prints one markdown table: each kind of operator (XNNPACK's own operator
-names inside delegate calls; ``native_call_*`` and custom ops outside them), its calls per token,
+``--methods forward,forward_ctx`` profiles a file as a program without ``forward_near``), and prints
+one markdown table: each kind of operator (XNNPACK's own operator names inside delegate calls;
+``native_call_*`` and custom ops outside them), its calls per token,
 its milliseconds per token and its share of ``Method::execute``. "delegate call overhead" is the
 delegate calls' time not spent in any XNNPACK operator: ExecuTorch's XNNPACK executor reshapes the
 whole XNNPACK runtime (every operator, then its memory plan) and sets it up again before every call,

@@ -59,9 +59,7 @@ def _export_and_hf_logits(ckpt, prompt: int, total: int):
 
 
 def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
-    from spinquant_et.runtime import PteModel
-
-    from spinquant_et.runtime import choose_method
+    from spinquant_et.runtime import PteModel, choose_method
 
     pte = PteModel(tiny_pte)
     assert pte.max_seq_len == MAX_SEQ and pte.near_len == MAX_SEQ // 2

@@ -257,8 +257,9 @@ int run(const Args& a) {
                std::to_string(max_seq_len) + "; shorten it or re-export with a larger --max-seq-len");
 
   // One forward call of `input` at position `start`, through the method spinquant_et.runtime.choose_method
-  // picks: a decode step through forward_near while the context fits its cache; else forward_ctx, which copies the filled K/V
-  // out of the cache, so a decode step past half the cache (and the very last position) runs through forward.
+  // picks: a decode step through forward_near while the context fits its cache; else forward_ctx, which
+  // copies the filled K/V out of the cache, so a decode step past half the cache (and the very last
+  // position) runs through forward.
   auto step = [&](std::vector<int64_t>& input, int64_t start) {
     auto tokens = from_blob(input.data(), {1, static_cast<int>(input.size())}, executorch::aten::ScalarType::Long);
     auto start_pos = from_blob(&start, {1}, executorch::aten::ScalarType::Long);

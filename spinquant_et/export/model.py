@@ -238,11 +238,11 @@ class KVCache(nn.Module):
         else:
             qk, qv = self._quantize(k), self._quantize(v)
             parts, near_parts = (*qk, *qv), (self._dequantize(*qk), self._dequantize(*qv))
-        for name, part in zip(self._stored, parts):
+        for name, part in zip(self._stored, parts, strict=True):
             getattr(self, name)[:, pos] = part
         if self.near_len:
             near_pos = torch.where(pos < self.near_len, pos, self.near_len)
-            for name, part in zip(self._stored_near, near_parts):
+            for name, part in zip(self._stored_near, near_parts, strict=True):
                 getattr(self, name)[:, near_pos] = part
             if near:
                 return self.near_k, self.near_v
