@@ -147,7 +147,7 @@ class PteModel:
         name = choose_method(len(tokens), pos + len(tokens), self.max_seq_len, self.methods, self.near_len)
         if name == CTX_METHOD:  # attention over the filled context only; its length is the third input's
             inputs.append(torch.zeros(pos + len(tokens)))
-        if name not in self._loaded:  # Program.load_method costs 0.4 ms a call even when loaded: keep them
+        if name not in self._loaded:  # load each method once
             self._loaded[name] = self.method if name == "forward" else self.program.load_method(name)
         method = self._loaded[name]
         logits = method.execute(inputs)[0]
