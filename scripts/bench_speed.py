@@ -14,7 +14,10 @@ measured in its own process, so its peak RSS is its own: Python rows are ``spinq
 (our runtime; RSS includes Python and torch), the C++ row is ``spinquant-run``, the llama.cpp row
 is llama-cpp-python with ``n_threads=2``. All rows get the same prompt token ids and decode greedily
 without stopping at EOS. Each figure is also printed as a ratio to the 8da4w row, and decode
-against llama.cpp's when it ran.
+against llama.cpp's when it ran. The ratios between two of our programs (the long cache against
+the 256-position one, the int8 KV cache against float) are also measured step by step in one
+process, each step of one program next to the same step of the other, since rows measured minutes
+apart carry the machine's drift.
 
 ``--peers`` adds the tools a user would otherwise pick, exported in this run and run by the same
 runtime: ExecuTorch's own ``export_llama`` (from the wheel) on our ``convert``ed checkpoint, and
@@ -51,7 +54,8 @@ BASELINE = "8da4w"
 CPP_RUNNER = Path(__file__).parents[1] / "runner" / "build" / "spinquant-run"
 CPP_OF = "8da4w + R1-R4"  # the variant also run through the C++ runner and through forward only (portable ops)
 FORWARD_ONLY = f"{CPP_OF}, forward only (stock runners)"
-LLAMA_CPP = "llama.cpp (GGUF as shipped)"
+LLAMA_CPP = "llama.cpp"  # on the GGUF as shipped, or a Q4_0 of the same weights for an HF directory
+PEER_DIR = "bench_peers"
 OPTIMUM_VERSION = "1.1.0"  # the release measured
 EXPORT_LLAMA = "ExecuTorch export_llama from our convert (8da4w, no rotation, custom SDPA + KV cache)"
 OPTIMUM = f"optimum-executorch {OPTIMUM_VERSION} (8da4w g32, custom SDPA + KV cache)"
@@ -143,6 +147,38 @@ def measure_llama_cpp(gguf: str, ids: list[int], new_tokens: int, repeats: int, 
                 version=llama_cpp.__version__, extra_bufts=extra_bufts)
 
 
+def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: int) -> dict:
+    """In this (child) process: decode steps of two programs alternating step by step (A's step at position
+    p, then B's at p), after a prompt each. Both programs see the same moment of a drifting machine, so the
+    ratio of each pair of steps is far steadier than a ratio of rows measured minutes apart (their
+    speed drifted by 20% between processes here). Median step times and the quartiles of B/A step time
+    (A's speed relative to B's)."""
+    from spinquant_et.runtime import PteModel
+
+    models = [PteModel(p) for p in ptes]
+    for m in models:  # warm-up: every method the timed run calls allocates and plans on its first call
+        m.forward(ids, 0)
+        m.forward([ids[-1]], len(ids))
+    steps: list[list[float]] = [[] for _ in models]
+    for _ in range(repeats):
+        tokens = [int(m.forward(ids, 0).argmax()) for m in models]
+        for pos in range(len(ids), len(ids) + new_tokens - 1):
+            for i, m in enumerate(models):
+                t0 = time.perf_counter()
+                tokens[i] = int(m.forward([tokens[i]], pos).argmax())
+                steps[i].append(time.perf_counter() - t0)
+    ratios = sorted(b / a for a, b in zip(*steps, strict=True))
+    q = statistics.quantiles(ratios, n=4)
+    return dict(step_ms=[statistics.median(s) * 1e3 for s in steps], ratio=q[1], ratio_q1=q[0], ratio_q3=q[2],
+                steps=len(ratios))
+
+
+def bench_paired(a: Path, b: Path, ids: list[int], args) -> dict:
+    """``measure_paired`` of ``a`` against ``b`` in a child process (its own threads and memory)."""
+    return last_json([sys.executable, __file__, "--measure-paired", str(a), str(b), "--ids", ",".join(map(str, ids)),
+                      "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)])
+
+
 def bench_llama_cpp(gguf: str, ids: list[int], args, state: dict) -> dict:
     """The llama.cpp row, in a child process; without extra buffer types from the first crash on
     (``state`` remembers it, and the version, across rounds)."""
@@ -163,12 +199,26 @@ def bench_llama_cpp(gguf: str, ids: list[int], args, state: dict) -> dict:
     return out
 
 
-def gguf_of(model: str) -> str | None:
+def gguf_of(model: str, out_dir: Path, peer_dir: Path) -> str | None:
+    """The GGUF llama.cpp runs: the model itself when it is one (the demo model's, as shipped), else for an
+    HF directory a Q4_0 GGUF of the same weights, written once into ``out_dir`` by llama.cpp's own
+    converter and quantizer (scripts/gguf_of.py)."""
     from spinquant_et.models.load import ALIASES, alias_path
 
     if model in ALIASES:
         model = str(alias_path(model))
-    return model if model.endswith(".gguf") and Path(model).is_file() else None
+    if model.endswith(".gguf") and Path(model).is_file():
+        return model
+    if not (Path(model) / "config.json").is_file():
+        return None
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_of import convert
+
+    gguf = out_dir / "llama.cpp.Q4_0.gguf"
+    if not gguf.is_file():
+        print(f"writing {gguf} (llama.cpp's converter, then Q4_0)", file=sys.stderr, flush=True)
+        convert(Path(model), gguf, "q4_0", peer_dir)
+    return str(gguf)
 
 
 def run_measured(cmd: list[str], what: str) -> tuple[float, float]:
@@ -272,15 +322,26 @@ def seq_len_of(variant: str, default: int) -> int:
     return int(flags[flags.index("--max-seq-len") + 1]) if "--max-seq-len" in flags else default
 
 
-def print_checks(rows: dict) -> None:
-    """The ratios the speed issue asks for, from the table's medians (where both rows ran)."""
+# Ratios between two of our programs, also measured step by step in one process (measure_paired):
+# (what, A, B) for "A's decode speed against B's"
+PAIRS = [("decode, the long cache against the 256-position one", CPP_OF, f"{CPP_OF}, 256-position cache"),
+         ("decode, int8 KV cache against float", f"{CPP_OF}, int8 KV cache", CPP_OF)]
+
+
+def print_checks(rows: dict, paired: dict) -> None:
+    """The ratios the speed issue asks for, from the table's medians (where both rows ran), and the
+    step-paired ones (``paired``: what -> measure_paired's result)."""
     def line(what: str, a: str, b: str, key: str = "decode") -> None:
         if a in rows and b in rows:
             print(f"* {what}: {rows[a][key] / rows[b][key]:.3f}x ({a}: {rows[a][key]:.1f}, {b}: {rows[b][key]:.1f})")
 
     print()
-    line("decode, the long cache against the 256-position one", CPP_OF, f"{CPP_OF}, 256-position cache")
-    line("decode, int8 KV cache against float", f"{CPP_OF}, int8 KV cache", CPP_OF)
+    for what, a, b in PAIRS:
+        line(what, a, b)
+        if what in paired:
+            r = paired[what]
+            print(f"  * step-paired in one process: {r['ratio']:.3f}x (quartiles {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}"
+                  f" over {r['steps']} pairs of steps; median step {r['step_ms'][0]:.2f} against {r['step_ms'][1]:.2f} ms)")
     for name in (CPP_OF, f"{CPP_OF}, C++ runner"):
         line(f"decode against llama.cpp, {name}", name, LLAMA_CPP)
         line(f"prefill against llama.cpp, {name}", name, LLAMA_CPP, key="prefill")
@@ -332,11 +393,17 @@ def main() -> None:
     p.add_argument("--peers", action="store_true",
                    help="add rows for ExecuTorch's export_llama (on our converted checkpoint) and optimum-executorch "
                    f"{OPTIMUM_VERSION} (in its own venv under --peer-dir, created on first use)")
-    p.add_argument("--peer-dir", default="bench_peers", help="where the peers' venvs live (default bench_peers)")
+    p.add_argument("--peer-dir", default=PEER_DIR, help=f"where the peers' venvs and llama.cpp's converter live "
+                   f"(default {PEER_DIR})")
     p.add_argument("--measure-llama-cpp", metavar="GGUF", help=argparse.SUPPRESS)  # the child process of that row
+    p.add_argument("--measure-paired", nargs=2, metavar="PTE", help=argparse.SUPPRESS)  # a paired ratio's child
     p.add_argument("--ids", help=argparse.SUPPRESS)
     p.add_argument("--no-extra-bufts", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.measure_paired:
+        ids = [int(t) for t in args.ids.split(",")]
+        print(json.dumps(measure_paired(args.measure_paired, ids, args.new_tokens, args.repeats)))
+        return
     if args.measure_llama_cpp:
         ids = [int(t) for t in args.ids.split(",")]
         print(json.dumps(measure_llama_cpp(args.measure_llama_cpp, ids, args.new_tokens, args.repeats, args.max_seq_len,
@@ -382,13 +449,15 @@ def main() -> None:
             cost = None if args.reuse and pte.exists() else make(pte)
             measure[name] = (pte.stat().st_size / 2**20, cost,
                              lambda pte=pte: bench_python(pte, len(ids), args.new_tokens, args.repeats))
-    gguf = gguf_of(args.model)
+    gguf = None
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         llama_note = "llama.cpp row skipped: `pip install llama-cpp-python` to add it"
     else:
-        llama_note = None if gguf else f"llama.cpp row skipped: {args.model} is not a .gguf file"
+        if not args.no_llama_cpp:
+            gguf = gguf_of(args.model, out_dir, Path(args.peer_dir))
+        llama_note = None if gguf else f"llama.cpp row skipped: {args.model} is neither a .gguf nor an HF directory"
     if args.no_llama_cpp:
         llama_note = "llama.cpp row skipped (--no-llama-cpp)"
     llama_state: dict = {}
@@ -406,7 +475,8 @@ def main() -> None:
                        rss_mib=max(r["rss_mib"] for r in runs[name]))
             for name, (size, export, _) in measure.items()}
     if llama_state:
-        llama_note = (f"llama.cpp: llama-cpp-python {llama_state['version']}, n_threads={THREADS}, n_ctx={args.max_seq_len}"
+        llama_note = (f"llama.cpp: llama-cpp-python {llama_state['version']} on {Path(gguf).name}, n_threads={THREADS}, "
+                      f"n_ctx={args.max_seq_len}"
                       + ("" if llama_state["extra_bufts"] else
                          f", extra buffer types (AMX, repack) off: with them it crashed here ({llama_state['crash']})"))
 
@@ -415,7 +485,12 @@ def main() -> None:
                       f"{args.repeats} runs; weights by {args.w_method}; export s is wall time "
                       f"with {args.parallel_exports} exports at once; {llama_note}; "
                       f"whole run {(time.perf_counter() - t_start) / 60:.1f} min")
-    print_checks(rows)
+    paired = {}
+    for what, a, b in PAIRS:
+        if a in ptes and b in ptes:
+            paired[what] = bench_paired(ptes[a], ptes[b], ids, args)
+            print(f"paired, {what}: {paired[what]}", file=sys.stderr, flush=True)
+    print_checks(rows, paired)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,8 @@ def write_model(like: str, out: Path, dtype: torch.dtype = torch.float32, layers
     config = make_config(like, layers, tokenizer)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # as every published config.json (llama.cpp's converter picks its model class by this field)
+    config.architectures = [type(model).__name__]
     out.mkdir(parents=True, exist_ok=True)
     tied = bool(config.tie_word_embeddings)
     modules = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]

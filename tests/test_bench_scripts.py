@@ -68,11 +68,11 @@ def test_bench_quality_rejects_an_unknown_pte_column(trained_tiny_dir, tmp_path)
 
 
 def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
-    """Two .pte variants, each benched in its own process: the table has both, with ratios to 8da4w
-    (1.000 for the baseline itself) and a peak RSS per row; the model is no .gguf, so llama.cpp is skipped."""
+    """.pte variants, each benched in its own process: the table has them, with ratios to 8da4w (1.000 for
+    the baseline itself) and a peak RSS per row, and int8 against float step by step as well."""
     r = _run([str(SCRIPTS / "bench_speed.py"), "--model", str(tiny_hf_dir["llama"]), "--out-dir", "b", "--only",
-              "8da4w + R1-R4", "--max-seq-len", "64", "--prompt-tokens", "16", "--new-tokens", "8", "--repeats", "1"],
-             tmp_path)
+              "8da4w + R1-R4", "8da4w + R1-R4, int8 KV cache", "--max-seq-len", "64", "--prompt-tokens", "16",
+              "--new-tokens", "8", "--repeats", "1", "--no-llama-cpp"], tmp_path)
     assert "llama.cpp row skipped" in r.stdout
     base, rotated = _cells(r.stdout, "8da4w"), _cells(r.stdout, "8da4w + R1-R4")
     forward_only = _cells(r.stdout, "8da4w + R1-R4, forward only (stock runners)")  # the same file, decoding as stock runners do
@@ -81,7 +81,11 @@ def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
     assert forward_only[cols.index("size MiB")] == rotated[cols.index("size MiB")]
     for row in (base, rotated, forward_only):
         assert float(row[cols.index("decode tok/s")]) > 0 and float(row[cols.index("peak RSS MiB")]) > 50
-    assert sorted(p.name for p in (tmp_path / "b").glob("*.pte")) == ["8da4w-64.pte", "8da4w_R1_R4-64.pte"]
+    assert sorted(p.name for p in (tmp_path / "b").glob("*.pte")) == ["8da4w-64.pte", "8da4w_R1_R4-64.pte",
+                                                                     "8da4w_R1_R4_int8_KV_cache-64.pte"]
+    # int8 against float, also step by step in one process: 7 pairs of steps (8 new tokens, the first from the prompt)
+    paired = re.search(r"step-paired in one process: ([\d.]+)x \(quartiles ([\d.]+)-([\d.]+) over (\d+) pairs", r.stdout)
+    assert paired and int(paired[4]) == 7 and float(paired[2]) <= float(paired[1]) <= float(paired[3])
 
 
 @pytest.mark.parametrize("missing", ["lm_eval"])

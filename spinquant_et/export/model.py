@@ -293,13 +293,16 @@ class Attention(nn.Module):
         self.heads = nh + 2 * kvh
         # R3 leaves Q K^T unchanged, so it only matters when the cache is quantized: with a float
         # cache it would be a matmul per layer that changes nothing.
-        r3_heads = None
+        # It is one linear on every head (XNNPACK packs its constant weight once; a batched matmul with
+        # one matrix per head packed it on every call: 13 us against 3 per layer, SmolLM2), kept on q and
+        # k heads and dropped on v heads by a 0/1 mask per head (exact: x * 1 + y * 0).
+        r3 = qk_heads = None
         if args.rotated and args.kv_bits < 16:
-            eye = torch.eye(hd)
-            r3 = HadamardTransform(hd).float()(eye)  # the transform is linear: r3(x) = x @ r3(I)
-            # one matrix per head: the transform on q and k heads, the identity on v heads
-            r3_heads = torch.stack([r3] * (nh + kvh) + [eye] * kvh)
-        self.register_buffer("r3", r3_heads, persistent=False)
+            r3 = HadamardTransform(hd).float()(torch.eye(hd)).t().contiguous()  # F.linear(x, r3) = H x
+            qk_heads = (torch.arange(self.heads) < nh + kvh).float().view(self.heads, 1)
+        self.register_buffer("r3", r3, persistent=False)
+        self.register_buffer("r3_keep", qk_heads, persistent=False)
+        self.register_buffer("r3_skip", None if qk_heads is None else 1.0 - qk_heads, persistent=False)
         self.cache = KVCache(args)
         self.n_rep = nh // kvh
         self.register_buffer("rot_half", rotate_half_matrix(hd), persistent=False)
@@ -310,10 +313,9 @@ class Attention(nn.Module):
         if self.head_norm is not None:
             qkv = self.head_norm(qkv)
         qkv = qkv * cos + F.linear(qkv, self.rot_half) * sin  # cos/sin [t, heads, hd]
-        qkv = qkv.view(-1, self.heads, self.args.head_dim).transpose(0, 1).contiguous()  # [heads, t, hd]
         if self.r3 is not None:
-            qkv = torch.bmm(qkv, self.r3)
-        return qkv
+            qkv = F.linear(qkv, self.r3) * self.r3_keep + qkv * self.r3_skip
+        return qkv.view(-1, self.heads, self.args.head_dim).transpose(0, 1).contiguous()  # [heads, t, hd]
 
     def forward(self, x, cos, sin, pos, mask, window=None):
         if self.args.ops == "et-llama":
