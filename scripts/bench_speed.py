@@ -161,11 +161,11 @@ def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: in
         m.forward([ids[-1]], len(ids))
     steps: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        tokens = [int(m.forward(ids, 0).argmax()) for m in models]
+        tokens = [int(m.forward(ids, 0).numpy().argmax()) for m in models]
         for pos in range(len(ids), len(ids) + new_tokens - 1):
             for i, m in enumerate(models):
                 t0 = time.perf_counter()
-                tokens[i] = int(m.forward([tokens[i]], pos).argmax())
+                tokens[i] = int(m.forward([tokens[i]], pos).numpy().argmax())
                 steps[i].append(time.perf_counter() - t0)
     ratios = sorted(b / a for a, b in zip(*steps, strict=True))
     q = statistics.quantiles(ratios, n=4)
@@ -347,17 +347,59 @@ def print_checks(rows: dict, paired: dict) -> None:
         line(f"prefill against llama.cpp, {name}", name, LLAMA_CPP, key="prefill")
 
 
+def copy_bandwidth_gbs(threads: int = THREADS, mib: int = 512) -> float:
+    """Memory bandwidth as a large copy with ``threads`` threads measures it: (bytes read + bytes written) /
+    time, as STREAM's Copy counts it, best of 5. A decode step reads every weight once, so this over the
+    bytes a step reads is the step rate the memory allows (the ceiling)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib << 18)  # float32: mib MiB
+        dst = torch.empty_like(src)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def embedding_bytes_of_pte(model: str, variant: str) -> int:
+    """The embedding table's bytes in a .pte of ``model``: a decode step reads one row of it (lm_head is its
+    own tensor, read whole, even when tied), so it is left out of the bytes a step reads."""
+    from spinquant_et.models.load import load_config
+
+    config = load_config(model)
+    config = getattr(config, "text_config", config)
+    return config.vocab_size * config.hidden_size * (4 if variant == "fp32" else 1)
+
+
+def gguf_read_bytes(gguf: str) -> int:
+    """Bytes a llama.cpp decode step reads: every tensor but the embedding table, which counts only when
+    the model has no output matrix of its own (tied: llama.cpp's lm_head is the embedding table)."""
+    from gguf import GGUFReader
+
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(gguf).tensors}
+    total = sum(sizes.values())
+    return total if "output.weight" not in sizes else total - sizes.get("token_embd.weight", 0)
+
+
 def ratio(a: float | None, b: float | None, fmt: str) -> str:
     return "-" if a is None or not b else format(a / b, fmt)
 
 
-def print_table(rows: dict, header: str) -> None:
-    base = rows[BASELINE]
+def print_table(rows: dict, header: str, bandwidth_gbs: float) -> None:
+    base = rows.get(BASELINE, {})
     ref = rows.get(LLAMA_CPP)
     print(f"\n{header}\n")
     cols = ["export s", "export peak RSS MiB", "size MiB", "prefill tok/s", "decode tok/s", "ttft ms", "peak RSS MiB",
             "prefill vs 8da4w",
             "decode vs 8da4w", "ttft vs 8da4w", "RSS vs 8da4w", "size vs 8da4w"] + (["decode vs llama.cpp"] if ref else [])
+    cols += ["MiB read per token", "decode / memory ceiling"]
     print("| runtime, file | " + " | ".join(cols) + " |")
     print("|---|" + "---|" * len(cols))
     for name, r in rows.items():
@@ -365,11 +407,12 @@ def print_table(rows: dict, header: str) -> None:
         cells = ["-" if export is None else f"{export[0]:.0f}", "-" if export is None else f"{export[1]:.0f}",
                  f"{r['size_mib']:.1f}",
                  f"{r['prefill']:.0f}", f"{r['decode']:.1f}", f"{r['ttft_ms']:.0f}", f"{r['rss_mib']:.0f}",
-                 ratio(r["prefill"], base["prefill"], ".3f"), ratio(r["decode"], base["decode"], ".3f"),
-                 ratio(r["ttft_ms"], base["ttft_ms"], ".3f"), ratio(r["rss_mib"], base["rss_mib"], ".2f"),
-                 ratio(r["size_mib"], base["size_mib"], ".2f")]
+                 *(ratio(r[k], base.get(k), f) for k, f in (("prefill", ".3f"), ("decode", ".3f"), ("ttft_ms", ".3f"),
+                                                             ("rss_mib", ".2f"), ("size_mib", ".2f")))]
         if ref:
             cells.append(ratio(r["decode"], ref["decode"], ".2f"))
+        read = r.get("read_bytes")  # decode / (bandwidth / bytes read per token)
+        cells += ["-", "-"] if read is None else [f"{read / 2**20:.1f}", f"{r['decode'] * read / (bandwidth_gbs * 1e9):.2f}"]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -385,6 +428,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per row, interleaved across rows (default 3)")
     p.add_argument("--reuse", action="store_true", help="bench existing .pte files instead of re-exporting")
     p.add_argument("--only", nargs="+", choices=list(VARIANTS), help=f"these .pte variants (and {BASELINE}; default: all)")
+    p.add_argument("--no-baseline", action="store_true", help=f"leave out the {BASELINE} row that --only adds (its "
+                   "ratio columns then read '-'): one export less at large shapes")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp row")
     p.add_argument("--parallel-exports", type=int, default=2, help="exports running at once (default 2)")
     p.add_argument("--w-method", choices=["rtn", "gptq"], default="rtn",
@@ -416,7 +461,7 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    names = [n for n in VARIANTS if (not args.only or n in args.only or n == BASELINE)
+    names = [n for n in VARIANTS if (not args.only or n in args.only or (n == BASELINE and not args.no_baseline))
              and args.prompt_tokens + args.new_tokens <= seq_len_of(n, args.max_seq_len)]
     ptes = {n: out_dir / (re.sub(r"[^\w]+", "_", n).strip("_") + f"-{args.max_seq_len}.pte") for n in names}
     todo = {n: p for n, p in ptes.items() if not (args.reuse and p.exists())}
@@ -429,8 +474,12 @@ def main() -> None:
     # interleaving spreads the slow spells over all rows instead of landing on one.
     # name: (size, (export s, export peak RSS) or None, one run)
     measure: dict[str, tuple[float, tuple[float, float] | None, Callable[[], dict]]] = {}
+    read_bytes = {}  # row: bytes a decode step reads (every weight but the embedding table)
     for name, pte in ptes.items():
         size = pte.stat().st_size / 2**20
+        read_bytes[name] = pte.stat().st_size - embedding_bytes_of_pte(args.model, name)
+        if name == CPP_OF:  # the same file through other runners
+            read_bytes[FORWARD_ONLY] = read_bytes[f"{name}, C++ runner"] = read_bytes[name]
         measure[name] = (size, exported.get(name), lambda pte=pte: bench_python(pte, len(ids), args.new_tokens,
                                                                                args.repeats))
         if name == CPP_OF:
@@ -474,16 +523,23 @@ def main() -> None:
                                                           for k in ("prefill", "decode", "ttft_ms")},
                        rss_mib=max(r["rss_mib"] for r in runs[name]))
             for name, (size, export, _) in measure.items()}
+    for name, row in rows.items():
+        row["read_bytes"] = read_bytes.get(name)
+    if gguf:
+        rows[LLAMA_CPP]["read_bytes"] = gguf_read_bytes(gguf)
+    bandwidth = copy_bandwidth_gbs()
     if llama_state:
         llama_note = (f"llama.cpp: llama-cpp-python {llama_state['version']} on {Path(gguf).name}, n_threads={THREADS}, "
                       f"n_ctx={args.max_seq_len}"
                       + ("" if llama_state["extra_bufts"] else
                          f", extra buffer types (AMX, repack) off: with them it crashed here ({llama_state['crash']})"))
 
-    print_table(rows, f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens (greedy, no EOS stop), "
+    print_table(rows, bandwidth_gbs=bandwidth,
+                header=f"{args.model}: {len(ids)}-token prompt, {args.new_tokens} new tokens (greedy, no EOS stop), "
                       f"max_seq_len {args.max_seq_len}, {THREADS} threads, median of {args.rounds} interleaved rounds x "
                       f"{args.repeats} runs; weights by {args.w_method}; export s is wall time "
-                      f"with {args.parallel_exports} exports at once; {llama_note}; "
+                      f"with {args.parallel_exports} exports at once; {llama_note}; memory ceiling: copy bandwidth "
+                      f"{bandwidth:.1f} GB/s ({THREADS} threads, read + write); "
                       f"whole run {(time.perf_counter() - t_start) / 60:.1f} min")
     paired = {}
     for what, a, b in PAIRS:

@@ -84,6 +84,21 @@ def test_weight_fake_quant_with_given_scales_matches_rtn_and_passes_gradients():
     assert torch.equal(w.grad, torch.ones_like(w))
 
 
+def test_clipping_search_in_blocks_is_the_whole_matrix_search(monkeypatch):
+    """The search runs a block of rows at a time (speed); every group keeps the scale a search over the
+    whole matrix picks, bit for bit, and a picked ratio below 1 shows the search did something."""
+    from spinquant_et.quant import rtn
+
+    w = torch.randn(70, 96) * torch.rand(70, 1)  # 70 rows: blocks of 8 leave a last block of 6
+    monkeypatch.setattr(rtn, "CLIP_BLOCK", 8 * 96)
+    blocked = rtn.clip_scales(w, 4, 32)
+    monkeypatch.setattr(rtn, "CLIP_BLOCK", 1 << 30)
+    whole = rtn.clip_scales(w, 4, 32)
+    assert torch.equal(blocked, whole)
+    amax = w.view(70, 3, 32).abs().amax(-1)
+    assert (blocked * 7 < amax * 0.999).any()
+
+
 @pytest.mark.parametrize("bad", [dict(a_clip=0.3), dict(k_clip=1.1), dict(v_clip=0)])
 def test_clip_ratios_out_of_range_are_refused(bad):
     with pytest.raises(SpinQuantError, match="clip must be in"):
