@@ -8,8 +8,9 @@ also through the C++ runner when runner/build/spinquant-run exists, and through 
 ExecuTorch's stock runners run it instead of ``forward_near``/``forward_ctx``: same file), the same with an int8 KV
 cache (R3 in the graph), the same with a 256-position cache (does speed follow the filled context or
 the capacity?), the same with ``--ops et-llama`` (ExecuTorch's custom cache/SDPA ops), and llama.cpp
-on the model's GGUF when ``llama-cpp-python`` is installed and the model is a .gguf (the demo model
-is). A row whose cache cannot hold the prompt and the new tokens is left out. Every row is
+when ``llama-cpp-python`` is installed: on the model's GGUF as shipped (the demo model is one), or
+for an HF directory on a Q4_0 GGUF of the same weights that llama.cpp's own converter writes
+(scripts/gguf_of.py). A row whose cache cannot hold the prompt and the new tokens is left out. Every row is
 measured in its own process, so its peak RSS is its own: Python rows are ``spinquant-et bench``
 (our runtime; RSS includes Python and torch), the C++ row is ``spinquant-run``, the llama.cpp row
 is llama-cpp-python with ``n_threads=2``. All rows get the same prompt token ids and decode greedily

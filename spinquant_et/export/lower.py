@@ -183,6 +183,8 @@ def _lower(model, out, metadata, force, names, stages, times) -> None:
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(names) > 1),
             emit_mutable_buffer_names=len(names) > 1,
         ))
-        tmp.write_bytes(et_program.buffer)
+        with open(tmp, "wb") as f:  # streamed: `.buffer` would join the whole program into one more copy
+            et_program.write_to_file(f)
+        del et_program, edge
         times["serialize"] = time.perf_counter() - t0
         stages.close()
