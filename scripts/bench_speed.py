@@ -154,7 +154,7 @@ def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: in
     ratio of each pair of steps is far steadier than a ratio of rows measured minutes apart (their
     speed drifted by 20% between processes here). Median step times and the quartiles of B/A step time
     (A's speed relative to B's)."""
-    from spinquant_et.runtime import PteModel
+    from spinquant_et.runtime import PteModel, sample
 
     models = [PteModel(p) for p in ptes]
     for m in models:  # warm-up: every method the timed run calls allocates and plans on its first call
@@ -162,11 +162,11 @@ def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: in
         m.forward([ids[-1]], len(ids))
     steps: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        tokens = [int(m.forward(ids, 0).numpy().argmax()) for m in models]
+        tokens = [sample(m.forward(ids, 0), 0.0, 0.0, None) for m in models]  # greedy, as generate
         for pos in range(len(ids), len(ids) + new_tokens - 1):
             for i, m in enumerate(models):
                 t0 = time.perf_counter()
-                tokens[i] = int(m.forward([tokens[i]], pos).numpy().argmax())
+                tokens[i] = sample(m.forward([tokens[i]], pos), 0.0, 0.0, None)
                 steps[i].append(time.perf_counter() - t0)
     ratios = sorted(b / a for a, b in zip(*steps, strict=True))
     q = statistics.quantiles(ratios, n=4)
@@ -369,14 +369,19 @@ def copy_bandwidth_gbs(threads: int = THREADS, mib: int = 512) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def embedding_bytes_of_pte(model: str, variant: str) -> int:
-    """The embedding table's bytes in a .pte of ``model``: a decode step reads one row of it (lm_head is its
-    own tensor, read whole, even when tied), so it is left out of the bytes a step reads."""
+def embedding_entries(model: str) -> int:
+    """Entries of ``model``'s embedding table: a decode step reads one row of it (lm_head is its own tensor,
+    read whole, even when tied), so the table is left out of the bytes a step reads."""
     from spinquant_et.models.load import load_config
 
     config = load_config(model)
     config = getattr(config, "text_config", config)
-    return config.vocab_size * config.hidden_size * (4 if variant == "fp32" else 1)
+    return config.vocab_size * config.hidden_size
+
+
+def embedding_bytes_of_pte(entries: int, variant: str) -> int:
+    """The embedding table's bytes in a ``variant`` .pte: int8 rows, float in the fp32 variant."""
+    return entries * (4 if variant == "fp32" else 1)
 
 
 def gguf_read_bytes(gguf: str) -> int:
@@ -476,9 +481,10 @@ def main() -> None:
     # name: (size, (export s, export peak RSS) or None, one run)
     measure: dict[str, tuple[float, tuple[float, float] | None, Callable[[], dict]]] = {}
     read_bytes = {}  # row: bytes a decode step reads (every weight but the embedding table)
+    entries = embedding_entries(args.model)  # reads the model's config once (a GGUF's header for the demo)
     for name, pte in ptes.items():
         size = pte.stat().st_size / 2**20
-        read_bytes[name] = pte.stat().st_size - embedding_bytes_of_pte(args.model, name)
+        read_bytes[name] = pte.stat().st_size - embedding_bytes_of_pte(entries, name)
         if name == CPP_OF:  # the same file through other runners
             read_bytes[FORWARD_ONLY] = read_bytes[f"{name}, C++ runner"] = read_bytes[name]
         measure[name] = (size, exported.get(name), lambda pte=pte: bench_python(pte, len(ids), args.new_tokens,

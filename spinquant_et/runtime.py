@@ -121,7 +121,7 @@ class PteModel:
         # the methods our runners choose from (choose_method); methods=("forward",) runs as stock runners do
         self.methods = set(self.program.method_names) & {"forward", CTX_METHOD, NEAR_METHOD}
         self.near_len = int(self._meta("get_near_len", 0))
-        self._loaded = {}
+        self._loaded = {"forward": self.method}  # each method loaded once, on its first call
         eos = self._meta("get_eos_ids", [])
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.bos_id = self._meta("get_bos_id", None)
@@ -147,8 +147,8 @@ class PteModel:
         name = choose_method(len(tokens), pos + len(tokens), self.max_seq_len, self.methods, self.near_len)
         if name == CTX_METHOD:  # attention over the filled context only; its length is the third input's
             inputs.append(torch.zeros(pos + len(tokens)))
-        if name not in self._loaded:  # load each method once
-            self._loaded[name] = self.method if name == "forward" else self.program.load_method(name)
+        if name not in self._loaded:
+            self._loaded[name] = self.program.load_method(name)
         method = self._loaded[name]
         logits = method.execute(inputs)[0]
         return logits.reshape(-1, logits.shape[-1])[-1]  # some programs return every position's logits

@@ -177,12 +177,14 @@ def test_llama_cpp_reads_every_tensor_of_a_tied_gguf_per_token():
     every tensor of the demo GGUF (no output.weight), nearly the whole file (the rest is metadata and
     vocabulary); our .pte rows leave the int8 embedding table (vocab x hidden bytes) out."""
     sys.path.insert(0, str(SCRIPTS))
-    from bench_speed import embedding_bytes_of_pte, gguf_read_bytes
+    from bench_speed import embedding_bytes_of_pte, embedding_entries, gguf_read_bytes
 
     from spinquant_et.models.load import alias_path
 
     gguf = alias_path("smollm2-135m")
     read = gguf_read_bytes(str(gguf))
     assert 0.9 * gguf.stat().st_size < read < gguf.stat().st_size
-    assert embedding_bytes_of_pte("smollm2-135m", "8da4w + R1-R4") == 49152 * 576
-    assert embedding_bytes_of_pte("smollm2-135m", "fp32") == 4 * 49152 * 576
+    entries = embedding_entries("smollm2-135m")
+    assert entries == 49152 * 576
+    assert embedding_bytes_of_pte(entries, "8da4w + R1-R4") == entries
+    assert embedding_bytes_of_pte(entries, "fp32") == 4 * entries

@@ -301,6 +301,7 @@ class Attention(nn.Module):
             r3 = HadamardTransform(hd).float()(torch.eye(hd)).t().contiguous()  # F.linear(x, r3) = H x
             qk_heads = (torch.arange(self.heads) < nh + kvh).float().view(self.heads, 1)
         self.register_buffer("r3", r3, persistent=False)
+        # both masks stored: `1 - keep` in forward would be one more graph op per layer
         self.register_buffer("r3_keep", qk_heads, persistent=False)
         self.register_buffer("r3_skip", None if qk_heads is None else 1.0 - qk_heads, persistent=False)
         self.cache = KVCache(args)
