@@ -17,9 +17,12 @@ call (``runtime.choose_method``), so a step costs what its context costs, not ``
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -131,6 +134,51 @@ def _reporting_partitioner(method: str, stages: _Stages, last: bool):
     return Reporting()
 
 
+@contextmanager
+def _xnnpack_without_copies():
+    """ExecuTorch's XNNPACK lowering with two copies of the weights left out, restored on exit.
+
+    ``lower_all_submodules_to_backend`` deep-copies every partition of every method, weights included,
+    before preprocessing any (``BackendDetails.copy_exported_program_for_preprocess``: "in case backends
+    change graph"); and each method's preprocessing serializes its own copy of the packed weights, merged
+    by hash only at emission. On the Llama-3.2-1B shape with three methods those were +4.1 GB and
+    +2.2 GB over a 3 GB model. Here the copy shares the constant tensors (XNNPACK's passes replace
+    constants, they never write into one; the graph is still copied), and each serialized blob is swapped
+    for an identical one already kept, so one copy of each lives until emission. ExecuTorch offers no
+    setting for either, hence the patch, scoped to one lowering.
+    """
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    preprocess = XnnpackBackend.preprocess
+    kept: dict[bytes, bytes] = {}
+
+    def copy_sharing_constants(cls, edge_program, compile_specs):
+        constants = (*edge_program.state_dict.values(), *edge_program.constants.values())
+        return copy.deepcopy(edge_program, {id(t): t for t in constants if isinstance(t, torch.Tensor)})
+
+    def preprocess_keeping_one_copy(edge_program, compile_specs):
+        result = preprocess(edge_program, compile_specs)
+        store = result.data_store_output
+        if store is not None:
+            store.buffers = [kept.setdefault(hashlib.sha256(b).digest(), b) if isinstance(b, bytes) else b
+                             for b in store.buffers]
+        return result
+
+    patched = {"copy_exported_program_for_preprocess": classmethod(copy_sharing_constants),
+               "preprocess": staticmethod(preprocess_keeping_one_copy)}
+    saved = {name: XnnpackBackend.__dict__.get(name) for name in patched}
+    for name, value in patched.items():
+        setattr(XnnpackBackend, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                delattr(XnnpackBackend, name)
+            else:
+                setattr(XnnpackBackend, name, value)
+
+
 def program_methods(model: Transformer, ctx_method: bool) -> list[str]:
     """The methods a program of ``model`` holds."""
     return ["forward"] + ([CTX_METHOD] if ctx_method else []) + ([NEAR_METHOD] if model.args.near_len else [])
@@ -167,12 +215,13 @@ def _lower(model, out, metadata, force, names, stages, times) -> None:
             programs[name] = export_program(model, name)
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        edge = to_edge_transform_and_lower(
-            programs,
-            partitioner={name: [_reporting_partitioner(name, stages, name == names[-1])] for name in names},
-            constant_methods=metadata,
-            compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
-        )
+        with _xnnpack_without_copies():
+            edge = to_edge_transform_and_lower(
+                programs,
+                partitioner={name: [_reporting_partitioner(name, stages, name == names[-1])] for name in names},
+                constant_methods=metadata,
+                compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
+            )
         times["lower"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         stages.start("emit and write")
