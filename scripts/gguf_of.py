@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -58,6 +59,26 @@ def converter(tools_dir: Path) -> Path:
     return root
 
 
+_UNKNOWN_PRE = "unrecognized BPE pre-tokenizer: wrote 'default'"
+# llama.cpp's converter, run with one change: a BPE pre-tokenizer it does not recognize (which it refuses)
+# becomes 'default'. A random-weight Qwen2 shape with the demo's tokenizer gets there: transformers loads
+# that tokenizer as Qwen2's class, whose pre-tokenizer hashes to nothing llama.cpp lists.
+_CONVERT = f"""
+import runpy, sys
+from conversion.base import TextModel
+recognized = TextModel.get_vocab_base_pre
+def pre(self, tokenizer):
+    try:
+        return recognized(self, tokenizer)
+    except NotImplementedError:
+        print("{_UNKNOWN_PRE}")
+        return "default"
+TextModel.get_vocab_base_pre = pre
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def convert(model: Path, out: Path, ftype: str, tools_dir: Path) -> Path:
     """``model`` (an HF directory) -> ``out`` (a GGUF of ``ftype``)."""
     import llama_cpp
@@ -67,10 +88,15 @@ def convert(model: Path, out: Path, ftype: str, tools_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.") as tmp:
         f16 = Path(tmp) / "model.f16.gguf"
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "gguf-py"), str(root)])}
-        r = subprocess.run([sys.executable, str(root / "convert_hf_to_gguf.py"), str(model), "--outtype", "f16",
-                            "--outfile", str(f16)], capture_output=True, text=True, env=env)
+        r = subprocess.run([sys.executable, "-c", _CONVERT, str(root / "convert_hf_to_gguf.py"), str(model), "--outtype",
+                            "f16", "--outfile", str(f16)], capture_output=True, text=True, env=env)
         if r.returncode != 0:
             raise SystemExit(f"error: llama.cpp's converter failed on {model}:\n{r.stderr[-2000:]}")
+        if _UNKNOWN_PRE in r.stdout:
+            print(f"note: llama.cpp does not know {model}'s BPE pre-tokenizer (the demo tokenizer under "
+                  f"{json.loads((model / 'config.json').read_text()).get('model_type')}'s tokenizer class); the GGUF "
+                  "says 'default': right for speed (bench_speed gives llama.cpp token ids), not for its own "
+                  "tokenization of text", file=sys.stderr)
         result = f16
         if TYPES[ftype]:
             result = Path(tmp) / "model.gguf"
