@@ -78,6 +78,28 @@ def test_tokenizer_with_split_and_digits_pre_tokenizers(runner_binary, tiny_toke
     assert cpp_ids(path, text, tmp_path) == hf_ids(path, text)
 
 
+def test_tokenizer_with_an_nfc_normalizer_takes_ascii(runner_binary, tiny_pte, tmp_path):
+    """Qwen2's tokenizer.json normalizes to NFC: on ASCII text that is the identity, so ids equal the
+    tokenizers library's; other text is refused in one line (the runner carries no Unicode tables)."""
+    import json
+
+    spec = json.loads((tiny_pte.parent / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "NFC"}
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    from spinquant_et.data import builtin_text
+
+    text = builtin_text("test")[:4000].encode("ascii", "ignore").decode()
+    assert cpp_ids(path, text, tmp_path) == hf_ids(path, text)
+    (tmp_path / "accented.txt").write_text("cafe\u0301 caf\u00e9", encoding="utf-8")
+    r = run("--tokenizer", path, "--encode", tmp_path / "accented.txt")
+    assert r.returncode != 0 and "NFC" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    spec["normalizer"] = {"type": "NFKC"}
+    path.write_text(json.dumps(spec))
+    r = run("--tokenizer", path, "--encode", tmp_path / "accented.txt")
+    assert r.returncode != 0 and "unsupported normalizer NFKC" in r.stderr
+
+
 def test_greedy_tokens_equal_the_python_runtime(runner_binary, tiny_pte):
     from transformers import AutoTokenizer
 

@@ -179,7 +179,12 @@ Tokenizer::Tokenizer(const std::string& path) {
       }
     }
     if (!byte_level) throw std::runtime_error("only byte-level BPE tokenizers are supported");
-    if (!j.at("normalizer").is_null()) throw std::runtime_error("tokenizers with a normalizer are not supported");
+    const auto& normalizer = j.at("normalizer");
+    if (!normalizer.is_null()) {
+      std::string type = normalizer.value("type", "");
+      if (type != "NFC") throw std::runtime_error("unsupported normalizer " + type + " (only NFC is)");
+      nfc_ = true;  // Qwen2's: the identity on ASCII, which is all encode accepts then
+    }
     if (!pattern.empty()) split_ = new Regex(pattern);
   } catch (const nlohmann::json::exception& e) {
     throw std::runtime_error(path + " is not a tokenizer.json (" + std::string(e.what()) + ")");
@@ -265,6 +270,10 @@ void Tokenizer::encode_ordinary(const std::string& text, std::vector<int64_t>& o
 }
 
 std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
+  // Unicode NFC needs composition tables we do not carry; on ASCII it changes nothing.
+  if (nfc_ && std::any_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) >= 0x80; }))
+    throw std::runtime_error("this tokenizer normalizes text to Unicode NFC, which the C++ runner does only for "
+                             "ASCII text; pass ASCII, or use `spinquant-et generate` (Python)");
   std::vector<int64_t> out;
   size_t last = 0;
   for (size_t i = 0; i < text.size();) {

@@ -7,6 +7,7 @@
 //   * pre-tokenization by the ByteLevel regex (GPT-2's), or a Split regex (Isolated) followed by
 //     ByteLevel without regex, optionally preceded by Digits; regexes run in PCRE2 with Unicode
 //     properties, the same patterns the `tokenizers` library compiles with Oniguruma;
+//   * an NFC normalizer (Qwen2's) on ASCII text only, where it is the identity;
 //   * GPT-2's byte -> printable-character map, then BPE merges by rank;
 //   * decoding to raw bytes per token, so a streamer can hold back an incomplete UTF-8 character.
 #pragma once
@@ -45,6 +46,7 @@ class Tokenizer {
   std::string byte_char_[256];                       // byte -> UTF-8 of its printable stand-in
   Regex* split_ = nullptr;                           // the pre-tokenizer regex
   bool split_digits_ = false;                        // Digits(individual_digits=true) first
+  bool nfc_ = false;                                 // an NFC normalizer: encode takes ASCII only
   mutable std::unordered_map<std::string, std::vector<int64_t>> cache_;
 };
 
