@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
 import os
 import subprocess
 import sys
@@ -93,10 +92,8 @@ def convert(model: Path, out: Path, ftype: str, tools_dir: Path) -> Path:
         if r.returncode != 0:
             raise SystemExit(f"error: llama.cpp's converter failed on {model}:\n{r.stderr[-2000:]}")
         if _UNKNOWN_PRE in r.stdout:
-            print(f"note: llama.cpp does not know {model}'s BPE pre-tokenizer (the demo tokenizer under "
-                  f"{json.loads((model / 'config.json').read_text()).get('model_type')}'s tokenizer class); the GGUF "
-                  "says 'default': right for speed (bench_speed gives llama.cpp token ids), not for its own "
-                  "tokenization of text", file=sys.stderr)
+            print(f"note: llama.cpp does not know {model}'s BPE pre-tokenizer; the GGUF says 'default': right for "
+                  "speed (bench_speed gives llama.cpp token ids), not for its own tokenization of text", file=sys.stderr)
         result = f16
         if TYPES[ftype]:
             result = Path(tmp) / "model.gguf"

@@ -83,12 +83,12 @@ def test_tokenizer_with_an_nfc_normalizer_takes_ascii(runner_binary, tiny_pte, t
     tokenizers library's; other text is refused in one line (the runner carries no Unicode tables)."""
     import json
 
+    from spinquant_et.data import builtin_text
+
     spec = json.loads((tiny_pte.parent / "tokenizer.json").read_text())
     spec["normalizer"] = {"type": "NFC"}
     path = tmp_path / "tokenizer.json"
     path.write_text(json.dumps(spec))
-    from spinquant_et.data import builtin_text
-
     text = builtin_text("test")[:4000].encode("ascii", "ignore").decode()
     assert cpp_ids(path, text, tmp_path) == hf_ids(path, text)
     (tmp_path / "accented.txt").write_text("cafe\u0301 caf\u00e9", encoding="utf-8")
