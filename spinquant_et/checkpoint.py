@@ -15,8 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .errors import SpinQuantError
 from .io import atomic_output_dir, read_json
@@ -64,20 +63,19 @@ def read_config(path: Path):
 
 
 def read_checkpoint(path: str | Path):
-    """``(tensors, config, arch, recipe)`` of a checkpoint directory, tensors as stored (ints + scales)."""
+    """``(tensors, config, arch, recipe)`` of a checkpoint directory, tensors as stored (ints + scales).
+
+    ``tensors`` reads each tensor when asked for (``shards.ShardTensors``), so building the Llama-3.1-8B
+    shape's exportable model holds one layer of its 9 GB checkpoint at a time beside the model."""
     path = Path(path)
     recipe = read_recipe(path)
     config = read_config(path)
     arch = arch_for(config.model_type)
-    from .shards import weight_map
+    from .shards import ShardReader, ShardTensors
 
-    tensors = {}
-    for shard in sorted(set(weight_map(path, "re-run quantize").values())):
-        try:
-            tensors.update(load_file(str(path / shard)))
-        except (SafetensorError, FileNotFoundError, OSError) as e:
-            raise SpinQuantError(f"cannot read {path / shard} ({e}); re-run quantize") from None
-    return tensors, config, arch, recipe
+    reader = ShardReader(path, "re-run quantize")
+    reader.check()
+    return ShardTensors(reader), config, arch, recipe
 
 
 def load_quantized(path: str | Path) -> LoadedModel:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -50,12 +52,15 @@ def _open(path: Path, fix: str):
 
 
 class ShardReader:
-    """Reads single tensors (or row ranges) of a safetensors directory without loading the rest."""
+    """Reads single tensors (or row ranges) of a safetensors directory without loading the rest.
+
+    Each read opens its shard and lets it go, and returns a tensor of its own: safetensors maps the file
+    and its tensors are views of the mapping, so a handle or view kept alive keeps every page read through
+    it resident (streaming the Llama-3.1-8B shape would hold its 16 GB of shards in RSS)."""
 
     def __init__(self, directory: str | os.PathLike, fix: str = "re-download the model"):
         self.directory, self.fix = Path(directory), fix
         self.map = weight_map(self.directory, fix)
-        self._files: dict[str, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.map
@@ -63,28 +68,57 @@ class ShardReader:
     def names(self) -> list[str]:
         return list(self.map)
 
+    @contextmanager
     def _file(self, name: str):
         if name not in self.map:
             raise SpinQuantError(f"{self.directory} has no tensor {name}; {self.fix}")
-        shard = self.map[name]
-        if shard not in self._files:
-            self._files[shard] = _open(self.directory / shard, self.fix)
-        return self._files[shard]
-
-    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         try:
-            t = self._file(name).get_tensor(name)
+            with _open(self.directory / self.map[name], self.fix) as f:
+                yield f
         except SafetensorError as e:
             raise SpinQuantError(f"cannot read {name} from {self.directory} ({e}); {self.fix}") from None
-        return t if dtype is None else t.to(dtype)
+
+    def check(self) -> None:
+        """A one-line error now, not minutes later, if a shard is unreadable or lacks a tensor it should hold."""
+        for shard in sorted(set(self.map.values())):
+            with _open(self.directory / shard, self.fix) as f:
+                missing = {n for n, s in self.map.items() if s == shard} - set(f.keys())
+            if missing:
+                raise SpinQuantError(f"{self.directory / shard} lacks {sorted(missing)[0]}; {self.fix}")
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        with self._file(name) as f:
+            t = f.get_tensor(name)
+            return t.clone() if dtype in (None, t.dtype) else t.to(dtype)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._file(name).get_slice(name).get_shape())
+        with self._file(name) as f:
+            return list(f.get_slice(name).get_shape())
 
     def rows(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Rows ``start:stop`` of a 2-D tensor, read alone (an embedding table need not fit twice)."""
-        t = self._file(name).get_slice(name)[start:stop]
-        return t if dtype is None else t.to(dtype)
+        with self._file(name) as f:
+            t = f.get_slice(name)[start:stop]
+            return t.clone() if dtype in (None, t.dtype) else t.to(dtype)
+
+
+class ShardTensors(Mapping):
+    """A safetensors directory as a read-only ``{name: tensor}`` mapping whose tensors are read when asked
+    for and not kept: a consumer that lets each one go holds one at a time, not the checkpoint."""
+
+    def __init__(self, reader: ShardReader):
+        self.reader = reader
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.reader:
+            raise KeyError(name)
+        return self.reader.get(name)
+
+    def __iter__(self):
+        return iter(self.reader.map)
+
+    def __len__(self) -> int:
+        return len(self.reader.map)
 
 
 class ShardWriter:

@@ -352,26 +352,37 @@ def test_int4_groupwise_lm_head_exports_and_matches_eager(tiny_hf_dir, tmp_path)
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-def _two_method_program(patched: bool):
+def _two_method_program(patched: bool, release: bool = False, also_read=None):
     """Two methods over one int4 linear (as forward and forward_ctx share the model's), lowered to
-    XNNPACK with or without ``_xnnpack_without_copies``."""
+    XNNPACK with or without ``_xnnpack_without_copies`` (releasing the linear's tensors with ``release``);
+    ``also_read(linear, y)``: a second output that reads the linear's tensors outside it."""
     import contextlib
 
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import to_edge_transform_and_lower
 
-    from spinquant_et.export.lower import _xnnpack_without_copies
+    from spinquant_et.export.lower import _xnnpack_without_copies, releasable_weights
     from spinquant_et.export.model import Int8DynActInt4WeightLinear
 
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = Int8DynActInt4WeightLinear(torch.randint(-8, 8, (64, 128)), torch.rand(64, 4) / 8, None)
+
+        def forward(self, x):
+            y = self.linear(x)
+            return y if also_read is None else (y, also_read(self.linear, y))
+
     torch.manual_seed(0)
-    linear = Int8DynActInt4WeightLinear(torch.randint(-8, 8, (64, 128)), torch.rand(64, 4) / 8, None)
+    model = Model()
     x = torch.randn(1, 3, 128)
-    programs = {name: torch.export.export(linear, (x[:, :n],), strict=False) for name, n in (("a", 3), ("b", 1))}
-    with _xnnpack_without_copies() if patched else contextlib.nullcontext():
+    expected = model(x)
+    programs = {name: torch.export.export(model, (x[:, :n],), strict=False) for name, n in (("a", 3), ("b", 1))}
+    with _xnnpack_without_copies(releasable_weights(model) if release else []) if patched else contextlib.nullcontext():
         edge = to_edge_transform_and_lower(programs, partitioner={m: [XnnpackPartitioner()] for m in programs})
     blobs = [b for m in programs for _, lowered in edge.exported_program(m).graph_module.named_children()
              for b in lowered.named_data_store_output.buffers]
-    return edge, blobs, x, linear(x)
+    return edge, blobs, x, expected, model
 
 
 def test_lowering_keeps_one_copy_of_each_weight_and_the_same_program():
@@ -379,12 +390,12 @@ def test_lowering_keeps_one_copy_of_each_weight_and_the_same_program():
     from executorch.runtime import Runtime
 
     before = dict(XnnpackBackend.__dict__)
-    edge, blobs, x, expected = _two_method_program(patched=True)
+    edge, blobs, x, expected, _ = _two_method_program(patched=True)
     assert dict(XnnpackBackend.__dict__) == before  # ExecuTorch's own behaviour is back
     # both methods serialized the packed weights and scales; the blobs are shared, not equal copies
     assert len(blobs) > len({bytes(b) for b in blobs})
     assert len({id(b) for b in blobs}) == len({bytes(b) for b in blobs})
-    plain_edge, plain_blobs, _, _ = _two_method_program(patched=False)
+    plain_edge, plain_blobs, *_ = _two_method_program(patched=False)
     assert len({id(b) for b in plain_blobs}) == len(plain_blobs)  # what the patch saves: one copy per method
     pte = edge.to_executorch().buffer
     assert pte == plain_edge.to_executorch().buffer
@@ -392,3 +403,22 @@ def test_lowering_keeps_one_copy_of_each_weight_and_the_same_program():
     # XNNPACK's QD8 x QB4W kernel against the eager model: its own per-token rounding moves an activation
     # by at most one int8 step (1/255 of a token's range), here up to 0.14% of the largest output
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-2 * expected.abs().max().item())
+
+
+def test_lowering_frees_each_weight_once_packed_and_writes_the_same_program():
+    from spinquant_et.export.lower import _check_nothing_released_is_read
+
+    edge, *_, model = _two_method_program(patched=True, release=True)
+    tensors = list(model.linear.buffers())
+    assert len(tensors) == 3 and all(t.numel() and t.untyped_storage().nbytes() == 0 for t in tensors)
+    _check_nothing_released_is_read(edge, ["a", "b"])
+    assert edge.to_executorch().buffer == _two_method_program(patched=False)[0].to_executorch().buffer
+
+
+def test_lowering_refuses_to_write_a_freed_weight_that_is_read_outside_xnnpack():
+    from spinquant_et.export.lower import _check_nothing_released_is_read
+
+    # the integers' sum is no XNNPACK operator: the top-level program keeps reading the weight
+    edge, *_ = _two_method_program(patched=True, release=True, also_read=lambda linear, y: linear.weight.sum())
+    with pytest.raises(RuntimeError, match=r"reads .*weight outside XNNPACK, but its storage was freed"):
+        _check_nothing_released_is_read(edge, ["a", "b"])

@@ -135,8 +135,8 @@ def _reporting_partitioner(method: str, stages: _Stages, last: bool):
 
 
 @contextmanager
-def _xnnpack_without_copies():
-    """ExecuTorch's XNNPACK lowering with two copies of the weights left out, restored on exit.
+def _xnnpack_without_copies(release: list[torch.Tensor] = ()):
+    """ExecuTorch's XNNPACK lowering with copies of the weights left out, restored on exit.
 
     ``lower_all_submodules_to_backend`` deep-copies every partition of every method, weights included,
     before preprocessing any (``BackendDetails.copy_exported_program_for_preprocess``: "in case backends
@@ -144,17 +144,33 @@ def _xnnpack_without_copies():
     by hash only at emission. On the Llama-3.2-1B shape with three methods those were +4.1 GB and
     +2.2 GB over a 3 GB model. Here the copy shares the constant tensors (XNNPACK's passes replace
     constants, they never write into one; the graph is still copied), and each serialized blob is swapped
-    for an identical one already kept, so one copy of each lives until emission. ExecuTorch offers no
-    setting for either, hence the patch, scoped to one lowering.
+    for an identical one already kept, so one copy of each lives until emission.
+
+    ``release``: tensors that only XNNPACK reads (the quantized linears' integers, scales, zero points).
+    Partitions are then preprocessed in the order of the first of those they read (layer by layer across
+    methods, not method by method), and each tensor's storage is freed once every partition reading it is
+    preprocessed, so the int8 weights drain as their packed form fills in (the Llama-3.1-8B shape holds
+    7 GB of them). The model that owns them cannot run afterwards. ExecuTorch offers no setting for any of
+    this, hence the patch, scoped to one lowering.
     """
     from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
 
     preprocess = XnnpackBackend.preprocess
     kept: dict[bytes, bytes] = {}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in release if t.numel()}
+    rank = {ptr: i for i, ptr in enumerate(storages)}
+    readers = dict.fromkeys(storages, 0)  # partitions yet to be preprocessed that read each storage
+    reads: dict[int, list[int]] = {}  # id(partition) -> the released storages it reads
 
     def copy_sharing_constants(cls, edge_program, compile_specs):
-        constants = (*edge_program.state_dict.values(), *edge_program.constants.values())
-        return copy.deepcopy(edge_program, {id(t): t for t in constants if isinstance(t, torch.Tensor)})
+        constants = [t for t in (*edge_program.state_dict.values(), *edge_program.constants.values())
+                     if isinstance(t, torch.Tensor)]
+        program = copy.deepcopy(edge_program, {id(t): t for t in constants})
+        ptrs = {t.untyped_storage().data_ptr() for t in constants} & storages.keys()
+        for ptr in ptrs:
+            readers[ptr] += 1
+        reads[id(program)] = sorted(ptrs, key=rank.get)
+        return program
 
     def preprocess_keeping_one_copy(edge_program, compile_specs):
         result = preprocess(edge_program, compile_specs)
@@ -164,8 +180,23 @@ def _xnnpack_without_copies():
                              for b in store.buffers]
         return result
 
+    def preprocess_releasing(cls, edge_programs, compile_specs):
+        jobs = [(method, i) for method, programs in edge_programs.items() for i in range(len(programs))]
+        jobs.sort(key=lambda job: min((rank[p] for p in reads.get(id(edge_programs[job[0]][job[1]]), ())),
+                                      default=-1))
+        results = {method: [None] * len(programs) for method, programs in edge_programs.items()}
+        for method, i in jobs:
+            program = edge_programs[method][i]
+            results[method][i] = cls.preprocess(program, compile_specs[method][i])
+            for ptr in reads.pop(id(program), ()):
+                readers[ptr] -= 1
+                if readers[ptr] == 0:
+                    storages[ptr].resize_(0)
+        return results
+
     patched = {"copy_exported_program_for_preprocess": classmethod(copy_sharing_constants),
-               "preprocess": staticmethod(preprocess_keeping_one_copy)}
+               "preprocess": staticmethod(preprocess_keeping_one_copy),
+               "preprocess_multimethod": classmethod(preprocess_releasing)}
     saved = {name: XnnpackBackend.__dict__.get(name) for name in patched}
     for name, value in patched.items():
         setattr(XnnpackBackend, name, value)
@@ -179,21 +210,41 @@ def _xnnpack_without_copies():
                 setattr(XnnpackBackend, name, value)
 
 
+def _check_nothing_released_is_read(edge, names: list[str]) -> None:
+    """A freed tensor still read outside XNNPACK would be emitted empty: stop before writing such a file."""
+    for name in names:
+        program = edge.exported_program(name)
+        for key, t in (*program.state_dict.items(), *program.constants.items()):
+            if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().nbytes() == 0:
+                raise RuntimeError(f"{name} reads {key} outside XNNPACK, but its storage was freed after packing; "
+                                   "export with release_weights=False")
+
+
+def releasable_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The quantized linears' tensors, in module order: only their XNNPACK kernels read them."""
+    from .model import Int8DynActInt4WeightLinear, Int8DynActInt8WeightLinear
+
+    return [b for m in model.modules() if isinstance(m, (Int8DynActInt4WeightLinear, Int8DynActInt8WeightLinear))
+            for b in m.buffers(recurse=False)]
+
+
 def program_methods(model: Transformer, ctx_method: bool) -> list[str]:
     """The methods a program of ``model`` holds."""
     return ["forward"] + ([CTX_METHOD] if ctx_method else []) + ([NEAR_METHOD] if model.args.near_len else [])
 
 
 def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: bool = False,
-                 ctx_method: bool = False, progress: bool = True) -> dict[str, float]:
+                 ctx_method: bool = False, progress: bool = True, release_weights: bool = False) -> dict[str, float]:
     """Export ``forward`` (and ``forward_ctx`` with ``ctx_method``; ``forward_near`` when the model has a
-    near cache), lower to XNNPACK and write ``out`` atomically. Returns seconds per phase."""
+    near cache), lower to XNNPACK and write ``out`` atomically. Returns seconds per phase.
+    ``release_weights``: free the quantized linears' tensors as XNNPACK packs them (peak memory: the
+    model's int8 weights do not live beside their packed form); ``model`` cannot run afterwards."""
     names = program_methods(model, ctx_method)
     stages = _Stages(3 * len(names) + 2, progress)
 
     times = {}
     try:
-        _lower(model, out, metadata, force, names, stages, times)
+        _lower(model, out, metadata, force, names, stages, times, release_weights)
     except BaseException:
         stages.close(finished=False)
         raise
@@ -201,7 +252,7 @@ def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: boo
     return times
 
 
-def _lower(model, out, metadata, force, names, stages, times) -> None:
+def _lower(model, out, metadata, force, names, stages, times, release_weights) -> None:
     import executorch.kernels.quantized  # noqa: F401  (out-variants of the int8 KV cache's per-token ops)
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
@@ -215,13 +266,15 @@ def _lower(model, out, metadata, force, names, stages, times) -> None:
             programs[name] = export_program(model, name)
         times["export"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        with _xnnpack_without_copies():
+        with _xnnpack_without_copies(releasable_weights(model) if release_weights else []):
             edge = to_edge_transform_and_lower(
                 programs,
                 partitioner={name: [_reporting_partitioner(name, stages, name == names[-1])] for name in names},
                 constant_methods=metadata,
                 compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True),
             )
+        if release_weights:
+            _check_nothing_released_is_read(edge, names)
         times["lower"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         stages.start("emit and write")
