@@ -93,3 +93,17 @@ def test_cli_quantize_streams_an_hf_directory(hf_dirs, tmp_path):
     got, *_ = read_checkpoint(tmp_path / "q")
     want, *_ = read_checkpoint(tmp_path / "mem")
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_export_of_an_hf_directory_is_the_export_of_its_streamed_checkpoint(hf_dirs, tmp_path):
+    """``export --model HFDIR`` quantizes into a staging checkpoint that the model is built from (read tensor
+    by tensor) before the staging goes: the same program as quantizing first and exporting the checkpoint."""
+    from spinquant_et.cli import main
+
+    common = ["--w-method", "rtn", "--forward-only", "--max-seq-len", "32"]
+    assert main(["export", "--model", str(hf_dirs["qwen2"]), *common, "--out", str(tmp_path / "a" / "m.pte")]) == 0
+    assert main(["quantize", "--model", str(hf_dirs["qwen2"]), "--w-method", "rtn", "--out", str(tmp_path / "q")]) == 0
+    assert main(["export", "--model", str(tmp_path / "q"), "--forward-only", "--max-seq-len", "32",
+                 "--out", str(tmp_path / "b" / "m.pte")]) == 0
+    assert (tmp_path / "a" / "m.pte").read_bytes() == (tmp_path / "b" / "m.pte").read_bytes()
+    assert not [p.name for p in (tmp_path / "a").iterdir() if p.name.startswith(".")]  # no staging left

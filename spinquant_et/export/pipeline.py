@@ -6,6 +6,7 @@ import json
 import logging
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,34 +112,37 @@ def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len:
     path = Path(model)
     from ..stream import can_stream
 
-    if path.is_dir() and (path / "recipe.json").is_file():
-        tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(path)
-    else:
-        recipe = recipe or QuantRecipe()
-        check_exportable(recipe)  # before minutes of quantization
-        check_ops(ops, recipe)
-        if can_stream(path):  # an HF safetensors directory: quantized one decoder layer at a time
-            from ..stream import quantize_streaming
-
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.checkpoint.") as staging:
-                ckpt = quantize_streaming(path, recipe, Path(staging) / "checkpoint", calib_text=calib_text)
-                tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(ckpt)
+    # a streamed checkpoint's staging directory lives until the model is built: its tensors are read then
+    with ExitStack() as scope:
+        if path.is_dir() and (path / "recipe.json").is_file():
+            tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(path)
         else:
-            from ..models import load_model
-            from ..quantize import quantize
+            recipe = recipe or QuantRecipe()
+            check_exportable(recipe)  # before minutes of quantization
+            check_ops(ops, recipe)
+            if can_stream(path):  # an HF safetensors directory: quantized one decoder layer at a time
+                from ..stream import quantize_streaming
 
-            loaded = load_model(model)
-            seconds["load"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            qm = quantize(loaded, recipe, calib_text=calib_text)
-            tensors, config, arch = qm.checkpoint_tensors(), loaded.model.config, loaded.arch
-            tokenizer = loaded.tokenizer
-    seconds["quantize"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    ctx_method = ctx_method and ops == "portable"
-    transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops, NEAR_LEN if ctx_method else 0)
-    seconds["build"] = time.perf_counter() - t0
+                out.parent.mkdir(parents=True, exist_ok=True)
+                staging = Path(scope.enter_context(
+                    tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.stem}.checkpoint.")))
+                ckpt = quantize_streaming(path, recipe, staging / "checkpoint", calib_text=calib_text)
+                tensors, config, arch, recipe, tokenizer = _load_checkpoint_dir(ckpt)
+            else:
+                from ..models import load_model
+                from ..quantize import quantize
+
+                loaded = load_model(model)
+                seconds["load"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                qm = quantize(loaded, recipe, calib_text=calib_text)
+                tensors, config, arch = qm.checkpoint_tensors(), loaded.model.config, loaded.arch
+                tokenizer = loaded.tokenizer
+        seconds["quantize"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ctx_method = ctx_method and ops == "portable"
+        transformer = build_transformer(tensors, config, arch, recipe, max_seq_len, ops, NEAR_LEN if ctx_method else 0)
+        seconds["build"] = time.perf_counter() - t0
     # The transformer holds its own (stacked) copies: let an in-memory checkpoint and any float model go
     # before lowering (a checkpoint directory is read tensor by tensor and never held whole). Lowering then
     # frees each linear's integers once XNNPACK has packed them (``release_weights``), so the peak is about
