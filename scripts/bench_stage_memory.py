@@ -33,14 +33,19 @@ class StageMemory:
         self.stage, self.peaks, self.t0, self.log = "start", {}, time.time(), log
         threading.Thread(target=self._sample, daemon=True).start()
 
+    def _record(self, stage: str) -> None:
+        stage = stage.split(" #")[0]  # preprocessing calls are logged one by one, summed up as one
+        self.peaks[stage] = max(self.peaks.get(stage, 0.0), rss_mib())
+
     def _sample(self) -> None:
         while True:
-            stage = self.stage.split(" #")[0]  # preprocessing calls are logged one by one, summed up as one
-            self.peaks[stage] = max(self.peaks.get(stage, 0.0), rss_mib())
+            self._record(self.stage)
             time.sleep(0.1)
 
     def mark(self, stage: str) -> None:
+        self._record(self.stage)  # a stage shorter than the sampling period still gets its RSS at both ends
         self.stage = stage
+        self._record(stage)
         if self.log:
             print(f"{time.time() - self.t0:8.1f} s {rss_mib():8.0f} MiB -> {stage}", file=self.log, flush=True)
 

@@ -88,6 +88,19 @@ def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
     assert paired and int(paired[4]) == 7 and float(paired[2]) <= float(paired[1]) <= float(paired[3])
 
 
+
+def test_bench_stage_memory_reports_each_stage_of_an_export(tiny_hf_dir, tmp_path):
+    """Every stage the export path goes through gets a peak (the wrapped entry points still exist and are
+    still called), and the command's own output is unchanged: the .pte is written."""
+    r = _run([str(SCRIPTS / "bench_stage_memory.py"), "--log", "stages.log", "export", "--model",
+              str(tiny_hf_dir["llama"]), "--w-method", "rtn", "--max-seq-len", "32", "--out", "m.pte"], tmp_path)
+    peaks = dict((stage.strip(), float(mib)) for mib, stage in re.findall(r"^ +(\d+)  (.+)$", r.stdout, re.M))
+    for stage in ("build", "lower: export forward_ctx", "lower: partition forward_near", "XNNPACK preprocess",
+                  "emit", "write"):
+        assert peaks.get(stage, 0) > 50, (stage, r.stdout)
+    assert (tmp_path / "m.pte").stat().st_size > 0
+    assert "XNNPACK preprocess #1" in (tmp_path / "stages.log").read_text()
+
 @pytest.mark.parametrize("missing", ["lm_eval"])
 def test_lm_eval_without_the_package_says_how_to_get_it(missing, monkeypatch):
     """With lm-eval absent (simulated by hiding the module), the bench gets a one-line reason, not a traceback."""
