@@ -169,7 +169,7 @@ def _xnnpack_without_copies(release: list[torch.Tensor] = ()):
         ptrs = {t.untyped_storage().data_ptr() for t in constants} & storages.keys()
         for ptr in ptrs:
             readers[ptr] += 1
-        reads[id(program)] = sorted(ptrs, key=rank.get)
+        reads[id(program)] = list(ptrs)
         return program
 
     def preprocess_keeping_one_copy(edge_program, compile_specs):
