@@ -18,7 +18,10 @@ without stopping at EOS. Each figure is also printed as a ratio to the 8da4w row
 against llama.cpp's when it ran. The ratios between two of our programs (the long cache against
 the 256-position one, the int8 KV cache against float) are also measured step by step in one
 process, each step of one program next to the same step of the other, since rows measured minutes
-apart carry the machine's drift.
+apart carry the machine's drift; once in each load order (the program loaded second ran 3-5% faster).
+Our runners start themselves with malloc on huge pages (``spinquant_et.hugepages``), so their rows and
+the step-paired children run that way; llama.cpp runs as it comes (it maps its GGUF file, whose pages
+get no THP: it decoded the same with the tunable set).
 
 ``--peers`` adds the tools a user would otherwise pick, exported in this run and run by the same
 runtime: ExecuTorch's own ``export_llama`` (from the wheel) on our ``convert``ed checkpoint, and
@@ -32,6 +35,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import platform
 import re
 import signal
 import statistics
@@ -40,6 +44,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Callable
+
+from spinquant_et.hugepages import thp_mode, tunables_with_huge_pages
 
 THREADS = 2
 VARIANTS = {  # name: `spinquant-et export` flags
@@ -68,8 +74,8 @@ def child_env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def last_json(cmd: list[str]) -> dict:
-    r = subprocess.run(cmd, capture_output=True, text=True, env=child_env())
+def last_json(cmd: list[str], env: dict | None = None) -> dict:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env or child_env())
     if r.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd[:4])} ... failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -150,10 +156,10 @@ def measure_llama_cpp(gguf: str, ids: list[int], new_tokens: int, repeats: int, 
 
 def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: int) -> dict:
     """In this (child) process: decode steps of two programs alternating step by step (A's step at position
-    p, then B's at p), after a prompt each. Both programs see the same moment of a drifting machine, so the
+    p and B's, in turns first), after a prompt each. Both programs see the same moment of a drifting machine, so the
     ratio of each pair of steps is far steadier than a ratio of rows measured minutes apart (their
     speed drifted by 20% between processes here). Median step times and the quartiles of B/A step time
-    (A's speed relative to B's)."""
+    (A's speed relative to B's) come from ``bench_paired``, which runs both load orders."""
     from spinquant_et.runtime import PteModel, sample
 
     models = [PteModel(p) for p in ptes]
@@ -164,20 +170,36 @@ def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: in
     for _ in range(repeats):
         tokens = [sample(m.forward(ids, 0), 0.0, 0.0, None) for m in models]  # greedy, as generate
         for pos in range(len(ids), len(ids) + new_tokens - 1):
-            for i, m in enumerate(models):
+            # ABBA: the program stepped first pays for what the other left in the caches and for threads
+            # waking up (a fixed order moved the int8-KV ratio by 3%), so the order alternates per step
+            for i in (0, 1) if pos % 2 == 0 else (1, 0):
+                m = models[i]
                 t0 = time.perf_counter()
                 tokens[i] = sample(m.forward([tokens[i]], pos), 0.0, 0.0, None)
                 steps[i].append(time.perf_counter() - t0)
-    ratios = sorted(b / a for a, b in zip(*steps, strict=True))
-    q = statistics.quantiles(ratios, n=4)
-    return dict(step_ms=[statistics.median(s) * 1e3 for s in steps], ratio=q[1], ratio_q1=q[0], ratio_q3=q[2],
-                steps=len(ratios))
+    return dict(step_ms=[statistics.median(s) * 1e3 for s in steps], ratios=[b / a for a, b in zip(*steps, strict=True)])
 
 
 def bench_paired(a: Path, b: Path, ids: list[int], args) -> dict:
-    """``measure_paired`` of ``a`` against ``b`` in a child process (its own threads and memory)."""
-    return last_json([sys.executable, __file__, "--measure-paired", str(a), str(b), "--ids", ",".join(map(str, ids)),
-                      "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)])
+    """``measure_paired`` of ``a`` against ``b``, each load order in its own child process: the program
+    loaded second decoded 3-5% faster than the one loaded first, the same file against itself included,
+    so one order alone biases the ratio by that much. The ratios of both orders (B's step time over A's)
+    are pooled: their median and quartiles, and each order's median."""
+    env = child_env()  # malloc on huge pages, as our runners start themselves (spinquant_et.hugepages)
+    env["GLIBC_TUNABLES"] = tunables_with_huge_pages(env.get("GLIBC_TUNABLES"), thp_mode(),
+                                                     platform.libc_ver()[0]) or env.get("GLIBC_TUNABLES", "")
+
+    def child(first: Path, second: Path) -> dict:
+        return last_json([sys.executable, __file__, "--measure-paired", str(first), str(second), "--ids",
+                          ",".join(map(str, ids)), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
+                         env)
+
+    ab, ba = child(a, b), child(b, a)
+    by_order = [ab["ratios"], [1 / r for r in ba["ratios"]]]
+    q = statistics.quantiles(by_order[0] + by_order[1], n=4)
+    return dict(ratio=q[1], ratio_q1=q[0], ratio_q3=q[2], steps=len(by_order[0]) + len(by_order[1]),
+                by_order=[statistics.median(r) for r in by_order],
+                step_ms=[(ab["step_ms"][0] + ba["step_ms"][1]) / 2, (ab["step_ms"][1] + ba["step_ms"][0]) / 2])
 
 
 def bench_llama_cpp(gguf: str, ids: list[int], args, state: dict) -> dict:
@@ -342,7 +364,9 @@ def print_checks(rows: dict, paired: dict) -> None:
         if what in paired:
             r = paired[what]
             print(f"  * step-paired in one process: {r['ratio']:.3f}x (quartiles {r['ratio_q1']:.3f}-{r['ratio_q3']:.3f}"
-                  f" over {r['steps']} pairs of steps; median step {r['step_ms'][0]:.2f} against {r['step_ms'][1]:.2f} ms)")
+                  f" over {r['steps']} pairs of steps, both load orders: {r['by_order'][0]:.3f}x loaded first, "
+                  f"{r['by_order'][1]:.3f}x loaded second; median step {r['step_ms'][0]:.2f} against "
+                  f"{r['step_ms'][1]:.2f} ms)")
     for name in (CPP_OF, f"{CPP_OF}, C++ runner"):
         line(f"decode against llama.cpp, {name}", name, LLAMA_CPP)
         line(f"prefill against llama.cpp, {name}", name, LLAMA_CPP, key="prefill")

@@ -156,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"its speed through our runners does not (forward_near, forward_ctx) (default {DEFAULT_MAX_SEQ_LEN}, or the "
                    "model's max_position_embeddings where that is shorter)")
     x.add_argument("--forward-only", dest="ctx_method", action="store_false",
-                   help="lower forward alone, without forward_near (decode steps attending to a copy of the first 256 "
-                   "positions, read in place) and forward_ctx (attention over the filled context), which our Python and C++ "
+                   help="lower forward alone, without forward_near (decode steps attending to a copy of the first 255 "
+                   "positions, read in place; with spill_near) and forward_ctx (attention over the filled context), which our Python and C++ "
                    "runners call while they fit: a third of the lowering time, but every step then attends over the "
                    "whole --max-seq-len cache")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
@@ -610,8 +610,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte"):
         from .runtime import limit_omp_threads
 
+        if argv is None:  # a command line, not a call from Python: start again with malloc on huge pages
+            from .hugepages import restart_with_huge_pages
+
+            restart_with_huge_pages()
         limit_omp_threads()  # before torch loads: MKL/OpenMP threads would fight ExecuTorch's
     quiet.configure(args.verbose)
+    if args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte"):
+        from .hugepages import describe
+
+        log.debug("malloc: %s", describe())
     try:
         return COMMANDS[args.command](args)
     except SpinQuantError as e:

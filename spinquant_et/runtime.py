@@ -25,6 +25,9 @@ CTX_METHOD = "forward_ctx"
 # forward_near(token, input_pos): one decode step whose attention reads, in place, a copy of the cache's
 # first get_near_len positions (right while the filled context is at most that)
 NEAR_METHOD = "forward_near"
+# spill_near(): forward_near writes only that copy; this writes it into the cache, once, before a method that
+# reads the cache follows forward_near steps (programs without it have a forward_near that writes both)
+SPILL_METHOD = "spill_near"
 
 
 def use_ctx_method(n_tokens: int, filled: int, max_seq_len: int) -> bool:
@@ -121,6 +124,8 @@ class PteModel:
         # the methods our runners choose from (choose_method); methods=("forward",) runs as stock runners do
         self.methods = set(self.program.method_names) & {"forward", CTX_METHOD, NEAR_METHOD}
         self.near_len = int(self._meta("get_near_len", 0))
+        self.has_spill = SPILL_METHOD in self.program.method_names
+        self._near_unspilled = False  # forward_near ran since the last spill_near
         self._loaded = {"forward": self.method}  # each method loaded once, on its first call
         eos = self._meta("get_eos_ids", [])
         self.eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos])
@@ -132,6 +137,11 @@ class PteModel:
         out = self.program.load_method(name).execute([])
         vals = [v.item() if hasattr(v, "item") else v for v in out]
         return vals[0] if len(vals) == 1 and name != "get_eos_ids" else vals
+
+    def _method(self, name: str):
+        if name not in self._loaded:
+            self._loaded[name] = self.program.load_method(name)
+        return self._loaded[name]
 
     def forward(self, tokens: list[int], pos: int):
         """Logits ``[vocab]`` after ``tokens`` placed at positions ``pos ..`` (the KV cache keeps the rest)."""
@@ -147,10 +157,12 @@ class PteModel:
         name = choose_method(len(tokens), pos + len(tokens), self.max_seq_len, self.methods, self.near_len)
         if name == CTX_METHOD:  # attention over the filled context only; its length is the third input's
             inputs.append(torch.zeros(pos + len(tokens)))
-        if name not in self._loaded:
-            self._loaded[name] = self.program.load_method(name)
-        method = self._loaded[name]
-        logits = method.execute(inputs)[0]
+        if name == NEAR_METHOD:
+            self._near_unspilled = self.has_spill
+        elif self._near_unspilled:
+            self._method(SPILL_METHOD).execute([])
+            self._near_unspilled = False
+        logits = self._method(name).execute(inputs)[0]
         return logits.reshape(-1, logits.shape[-1])[-1]  # some programs return every position's logits
 
 

@@ -13,7 +13,7 @@ from conftest import TINY_MAX_SEQ as MAX_SEQ
 from spinquant_et.cli import main
 from spinquant_et.errors import SpinQuantError
 from spinquant_et.export.build import build_transformer, check_exportable
-from spinquant_et.export.model import TransposedInputKronHadamard
+from spinquant_et.export.model import NearSpill, TransposedInputKronHadamard
 from spinquant_et.export.pipeline import _load_checkpoint_dir
 from spinquant_et.recipe import QuantRecipe
 
@@ -63,7 +63,7 @@ def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
 
     pte = PteModel(tiny_pte)
     assert pte.max_seq_len == MAX_SEQ and pte.near_len == MAX_SEQ // 2
-    assert pte.methods == {"forward", "forward_ctx", "forward_near"}
+    assert pte.methods == {"forward", "forward_ctx", "forward_near"} and pte.has_spill
     model, _ = _eager_transformer(tiny_ckpt)  # attention over the whole cache throughout
     x = torch.randint(0, 384, (1, 60)).tolist()[0]
     # the prompt through forward_ctx, decode steps up to near_len (48) through forward_near, four tokens at
@@ -292,7 +292,9 @@ def test_runners_take_forward_ctx_for_prompts_and_for_decode_up_to_half_the_cach
 @pytest.mark.parametrize("kv_bits", [8, 16])
 def test_near_cache_attention_computes_what_the_whole_cache_computes(tiny_hf_dir, kv_bits):
     """forward_near reads a copy of the first near_len positions that every method writes (positions past it
-    go to a row no query sees): switching methods mid-sequence gives the whole-cache logits."""
+    go to a row no query sees) and writes only that copy; spill_near then brings the cache up to date:
+    switching methods mid-sequence gives the whole-cache logits, and the spilled cache is the one that
+    forward's own writes leave (an int8 cache: the same integers, its scales equal to float rounding)."""
     from spinquant_et.models import load_model
     from spinquant_et.quantize import quantize
 
@@ -306,7 +308,15 @@ def test_near_cache_attention_computes_what_the_whole_cache_computes(tiny_hf_dir
         ref = [whole(x[:, :10], torch.tensor([0]))] + [whole(x[:, t : t + 1], torch.tensor([t])) for t in range(10, 40)]
         near.near = True  # what forward_near runs, up to position 15
         got = [near(x[:, :10], torch.tensor([0]))] + [near(x[:, t : t + 1], torch.tensor([t])) for t in range(10, 16)]
-        near.near = False  # then the window and the whole cache, which the near steps wrote too
+        near.near = False
+        NearSpill(near)()  # what the runners call before a method that reads the cache
+        for name, buf in whole.layers[1].attention.cache.named_buffers():
+            spilled = near.layers[1].attention.cache.get_buffer(name)
+            if name in ("k", "v"):  # the integers (or floats) the whole-cache run wrote
+                assert torch.equal(spilled[:, :16], buf[:, :16]), name
+            elif not name.startswith("near_"):  # scales to float rounding; zero points exact
+                torch.testing.assert_close(spilled[:, :16], buf[:, :16], rtol=1e-6, atol=0)
+        # then the window and the whole cache
         got += [near(x[:, t : t + 1], torch.tensor([t]), torch.zeros(t + 1)) for t in range(16, 28)]
         got += [near(x[:, t : t + 1], torch.tensor([t])) for t in range(28, 40)]
         near.near = True  # positions 16.. went to the near cache's last row: a near read still sees 0..15 only

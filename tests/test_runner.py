@@ -123,6 +123,27 @@ def test_greedy_tokens_equal_the_python_runtime(runner_binary, tiny_pte):
     assert [int(x) for x in plain.stdout.split()] == ours
 
 
+def test_greedy_tokens_past_the_near_cache_equal_the_python_runtime(runner_binary, tiny_pte):
+    """80 tokens after a short prompt: forward_near up to position 48, then spill_near and forward (past half
+    the cache). A runner that skipped the spill would attend to empty rows; this
+    random model's greedy tokens barely depend on the context (the Python runtime's logits are checked
+    in test_export), so the runner also says when it spills."""
+    from transformers import AutoTokenizer
+
+    from spinquant_et.runtime import PteModel, generate
+
+    tok = AutoTokenizer.from_pretrained(tiny_pte.parent)
+    prompt = "The data model of Python"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert len(ids) < 16
+    ours, _ = generate(PteModel(tiny_pte), ids, 80, stop_at_eos=False)
+    r = run("--model", tiny_pte, "--prompt", prompt, "--max-new-tokens", 80, "--ids", "--ignore-eos", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert [int(x) for x in r.stdout.split()] == ours
+    spills = [line for line in r.stderr.splitlines() if "spill_near" in line]
+    assert spills == ["spinquant-run: spill_near before forward at position 48"], spills
+
+
 def test_text_output_streams_whole_characters(runner_binary, tiny_pte):
     """Valid UTF-8 however the tokens fall, and the text HF's tokenizer decodes from the same ids (lone
     or broken byte tokens become U+FFFD there too; the tiny model happens to emit such bytes)."""

@@ -9,7 +9,9 @@ stock runners call) and, for the portable ops:
   partitioner refuses). That window is a copy of those positions (ExecuTorch has no strided views);
 * ``forward_near(token, input_pos)`` when the model has a near cache (``ExportArgs.near_len``): one
   decode step whose attention reads the near cache in place, a copy of the first ``near_len``
-  positions that every method writes. Right while the filled context is at most ``near_len``.
+  positions that every method writes. Right while the filled context is at most ``near_len``. It
+  writes the near cache alone; beside it, ``spill_near()`` copies the near cache into the cache, which
+  runners call once before a method that reads the cache follows forward_near steps.
 
 All methods share the KV-cache buffers and the weights (stored once); our runners pick the method per
 call (``runtime.choose_method``), so a step costs what its context costs, not ``--max-seq-len``.
@@ -29,8 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..io import atomic_output_file
-from ..runtime import CTX_METHOD, NEAR_METHOD
-from .model import Transformer
+from ..runtime import CTX_METHOD, NEAR_METHOD, SPILL_METHOD
+from .model import NearSpill, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +60,14 @@ def export_program(model: Transformer, method: str = "forward"):
     """``torch.export`` of ``forward`` with a dynamic token count ``1 .. max_seq_len - 1``; of
     ``forward_ctx``: the same plus a dynamic context length ``1 .. max_seq_len - 1`` (the length of a
     third input) that attention reads; of ``forward_near``: one token (static shapes), attending to the
-    near cache."""
+    near cache; of ``spill_near``: no inputs (see ``NearSpill``)."""
     max_t = model.args.max_seq_len - 1
     tokens = torch.zeros(1, min(4, max_t), dtype=torch.long)
     pos = torch.tensor([0], dtype=torch.long)
     seq = torch.export.Dim("seq_len", min=1, max=max_t)
     with torch.no_grad():
+        if method == SPILL_METHOD:
+            return torch.export.export(NearSpill(model), (), strict=False)
         if method == NEAR_METHOD:
             model.near = True
             try:
@@ -230,7 +234,8 @@ def releasable_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def program_methods(model: Transformer, ctx_method: bool) -> list[str]:
     """The methods a program of ``model`` holds."""
-    return ["forward"] + ([CTX_METHOD] if ctx_method else []) + ([NEAR_METHOD] if model.args.near_len else [])
+    near = [NEAR_METHOD, SPILL_METHOD] if model.args.near_len else []
+    return ["forward"] + ([CTX_METHOD] if ctx_method else []) + near
 
 
 def lower_to_pte(model: Transformer, out: str | Path, metadata: dict, force: bool = False,

@@ -179,7 +179,9 @@ class KVCache(nn.Module):
     near read happens only while every position is below N). Attention over that cache reads it in
     place, where a window of the full cache would be a copy: ExecuTorch has no strided views. SmolLM2,
     decode steps at positions 128-255 of a 2048 cache: 6.1 ms through forward_near, 8.2 through
-    forward_ctx's window. The second write costs one small index_put per tensor.
+    forward_ctx's window. The second write costs one small index_put per tensor; forward_near writes
+    only the near cache, and ``spill_near`` brings the cache up to date when a method that reads it
+    follows (an int8 cache then quantizes nothing per decode step but what the near cache needs).
     """
 
     def __init__(self, args: ExportArgs):
@@ -222,6 +224,21 @@ class KVCache(nn.Module):
         return torch.ops.quantized_decomposed.dequantize_per_token(q, scale, zero, ACT_QMIN, ACT_QMAX, torch.int8,
                                                                    torch.float32)
 
+    def _write(self, names: list[str], pos: torch.Tensor, parts) -> None:
+        for name, part in zip(names, parts, strict=True):
+            getattr(self, name)[:, pos] = part  # index_put_ on the buffer: in place (run_reinplace_pass)
+
+    def spill_near(self) -> None:
+        """Write the near cache's positions into the cache: forward_near skips the cache (SmolLM2, int8
+        cache: a decode step's six int8 writes per layer), so runners call this once before a method that
+        reads the cache follows forward_near steps. An int8 cache gets the near cache's values quantized
+        again: they are already on the grid of their scale and zero point, so the integers come back the
+        same and the scales equal to float rounding (tested)."""
+        n = self.near_len
+        k, v = self.near_k[:, :n], self.near_v[:, :n]
+        parts = (k, v) if not self.quantized else (*self._quantize(k), *self._quantize(v))
+        self._write(self._stored, torch.arange(n), parts)
+
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None):
         """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return what attention reads: the whole
         cache (``window`` None), its first ``window`` positions (forward_ctx's symbolic context length) or
@@ -238,12 +255,10 @@ class KVCache(nn.Module):
         else:
             qk, qv = self._quantize(k), self._quantize(v)
             parts, near_parts = (*qk, *qv), (self._dequantize(*qk), self._dequantize(*qv))
-        for name, part in zip(self._stored, parts, strict=True):
-            getattr(self, name)[:, pos] = part
+        if not near:  # forward_near writes the near cache alone; spill_near copies it into the cache later
+            self._write(self._stored, pos, parts)
         if self.near_len:
-            near_pos = torch.where(pos < self.near_len, pos, self.near_len)
-            for name, part in zip(self._stored_near, near_parts, strict=True):
-                getattr(self, name)[:, near_pos] = part
+            self._write(self._stored_near, torch.where(pos < self.near_len, pos, self.near_len), near_parts)
             if near:
                 return self.near_k, self.near_v
 
@@ -254,6 +269,27 @@ class KVCache(nn.Module):
         if not self.quantized:
             return read("k"), read("v")
         return self._dequantize(*map(read, self._stored[:3])), self._dequantize(*map(read, self._stored[3:]))
+
+
+class _Holder(nn.Module):
+    def __init__(self, **children: nn.Module):
+        super().__init__()
+        for name, child in children.items():
+            self.add_module(name, child)
+
+
+class NearSpill(nn.Module):
+    """The ``spill_near`` method: every layer's ``KVCache.spill_near``. It holds the model's caches under
+    the model's own names (``layers.N.attention.cache.*``) and nothing else: a program's methods share
+    mutable buffers by name, and no weight is traced into this method."""
+
+    def __init__(self, model: "Transformer"):
+        super().__init__()
+        self.layers = nn.ModuleList(_Holder(attention=_Holder(cache=layer.attention.cache)) for layer in model.layers)
+
+    def forward(self) -> None:
+        for layer in self.layers:
+            layer.attention.cache.spill_near()
 
 
 class HeadNorm(nn.Module):
