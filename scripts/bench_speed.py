@@ -35,7 +35,6 @@ import argparse
 import importlib.metadata
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -45,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from spinquant_et.hugepages import thp_mode, tunables_with_huge_pages
+from spinquant_et.hugepages import huge_page_tunables
 
 THREADS = 2
 VARIANTS = {  # name: `spinquant-et export` flags
@@ -185,9 +184,9 @@ def bench_paired(a: Path, b: Path, ids: list[int], args) -> dict:
     loaded second decoded 3-5% faster than the one loaded first, the same file against itself included,
     so one order alone biases the ratio by that much. The ratios of both orders (B's step time over A's)
     are pooled: their median and quartiles, and each order's median."""
-    env = child_env()  # malloc on huge pages, as our runners start themselves (spinquant_et.hugepages)
-    env["GLIBC_TUNABLES"] = tunables_with_huge_pages(env.get("GLIBC_TUNABLES"), thp_mode(),
-                                                     platform.libc_ver()[0]) or env.get("GLIBC_TUNABLES", "")
+    env = child_env()
+    if tunables := huge_page_tunables(env):  # malloc on huge pages, as our runners start themselves
+        env["GLIBC_TUNABLES"] = tunables
 
     def child(first: Path, second: Path) -> dict:
         return last_json([sys.executable, __file__, "--measure-paired", str(first), str(second), "--ids",

@@ -157,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's max_position_embeddings where that is shorter)")
     x.add_argument("--forward-only", dest="ctx_method", action="store_false",
                    help="lower forward alone, without forward_near (decode steps attending to a copy of the first 255 "
-                   "positions, read in place; with spill_near) and forward_ctx (attention over the filled context), which our Python and C++ "
-                   "runners call while they fit: a third of the lowering time, but every step then attends over the "
-                   "whole --max-seq-len cache")
+                   "positions, read in place; with spill_near) and forward_ctx (attention over the filled context), "
+                   "which our Python and C++ runners call while they fit: a third of the lowering time, but every step "
+                   "then attends over the whole --max-seq-len cache")
     x.add_argument("--ops", choices=["portable", "et-llama"], default="portable",
                    help="portable: standard ops + XNNPACK only, runs in any ExecuTorch runtime, ours and the stock "
                    "runners included (default). et-llama: ExecuTorch's llama::update_cache/custom_sdpa, which "
@@ -607,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         if (args.model is None) == (args.model_arg is None):
             parser.error("eval takes one model: `eval MODEL` or `eval --model MODEL`")
         args.model = args.model or args.model_arg
-    if args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte"):
+    runs_pte = args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte")
+    if runs_pte:
         from .runtime import limit_omp_threads
 
         if argv is None:  # a command line, not a call from Python: start again with malloc on huge pages
@@ -616,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             restart_with_huge_pages()
         limit_omp_threads()  # before torch loads: MKL/OpenMP threads would fight ExecuTorch's
     quiet.configure(args.verbose)
-    if args.command in RUNS_PTE or str(getattr(args, "model", "")).endswith(".pte"):
+    if runs_pte:
         from .hugepages import describe
 
         log.debug("malloc: %s", describe())

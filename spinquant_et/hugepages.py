@@ -38,11 +38,17 @@ def tunables_with_huge_pages(tunables: str | None, mode: str | None, libc: str) 
     return f"{tunables}:{TUNABLE}=1" if tunables else f"{TUNABLE}=1"
 
 
+def huge_page_tunables(environ=os.environ) -> str | None:
+    """What ``GLIBC_TUNABLES`` should be in ``environ`` for malloc on huge pages on this machine, or None
+    where it is right as it is (``tunables_with_huge_pages``)."""
+    return tunables_with_huge_pages(environ.get("GLIBC_TUNABLES"), thp_mode(), platform.libc_ver()[0])
+
+
 def restart_with_huge_pages() -> None:
     """Start this Python command again (same arguments) with malloc on huge pages, if that helps here.
     Call it first thing: the new process redoes all the work done before. Returns only where nothing
     changes (or the restart failed)."""
-    value = tunables_with_huge_pages(os.environ.get("GLIBC_TUNABLES"), thp_mode(), platform.libc_ver()[0])
+    value = huge_page_tunables()
     if value is None:
         return
     os.environ["GLIBC_TUNABLES"] = value

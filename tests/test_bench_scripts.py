@@ -89,7 +89,6 @@ def test_bench_speed_rows_carry_their_own_peak_rss(tiny_hf_dir, tmp_path):
     assert paired and int(paired[4]) == 14 and float(paired[2]) <= float(paired[1]) <= float(paired[3])
 
 
-
 def test_bench_stage_memory_reports_each_stage_of_an_export(tiny_hf_dir, tmp_path):
     """Every stage the export path goes through gets a peak (the wrapped entry points still exist and are
     still called), and the command's own output is unchanged: the .pte is written."""
@@ -101,6 +100,7 @@ def test_bench_stage_memory_reports_each_stage_of_an_export(tiny_hf_dir, tmp_pat
         assert peaks.get(stage, 0) > 50, (stage, r.stdout)
     assert (tmp_path / "m.pte").stat().st_size > 0
     assert "XNNPACK preprocess #1" in (tmp_path / "stages.log").read_text()
+
 
 @pytest.mark.parametrize("missing", ["lm_eval"])
 def test_lm_eval_without_the_package_says_how_to_get_it(missing, monkeypatch):

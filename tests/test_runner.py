@@ -125,9 +125,9 @@ def test_greedy_tokens_equal_the_python_runtime(runner_binary, tiny_pte):
 
 def test_greedy_tokens_past_the_near_cache_equal_the_python_runtime(runner_binary, tiny_pte):
     """80 tokens after a short prompt: forward_near up to position 48, then spill_near and forward (past half
-    the cache). A runner that skipped the spill would attend to empty rows; this
-    random model's greedy tokens barely depend on the context (the Python runtime's logits are checked
-    in test_export), so the runner also says when it spills."""
+    the cache). A runner that skipped the spill would attend to empty rows; this random model's greedy
+    tokens barely depend on the context (the Python runtime's logits are checked in test_export), so the
+    runner also says when it spills."""
     from transformers import AutoTokenizer
 
     from spinquant_et.runtime import PteModel, generate
