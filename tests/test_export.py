@@ -18,6 +18,16 @@ from spinquant_et.export.pipeline import _load_checkpoint_dir
 from spinquant_et.recipe import QuantRecipe
 
 
+def assert_same_tokens_where_clear(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Greedy tokens agree at every position whose reference top-two gap exceeds twice that position's
+    largest logit error (there no rounding difference can swap them), and such positions are most of them:
+    XNNPACK's own int8 activation rounding moves a random tiny model's logits ~1%, which may swap a near tie."""
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (got - ref).abs().amax(-1)
+    assert clear.float().mean() >= 0.75
+    assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
 def _eager_transformer(ckpt):
     tensors, config, arch, recipe, _ = _load_checkpoint_dir(ckpt)
     return build_transformer(tensors, config, arch, recipe, MAX_SEQ), tensors
@@ -65,7 +75,7 @@ def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
     assert pte.max_seq_len == MAX_SEQ and pte.near_len == MAX_SEQ // 2
     assert pte.methods == {"forward", "forward_ctx", "forward_near"} and pte.has_spill
     model, _ = _eager_transformer(tiny_ckpt)  # attention over the whole cache throughout
-    x = torch.randint(0, 384, (1, 60)).tolist()[0]
+    x = torch.randint(0, 384, (1, 60), generator=torch.Generator().manual_seed(1)).tolist()[0]
     # the prompt through forward_ctx, decode steps up to near_len (48) through forward_near, four tokens at
     # once past it through forward_ctx, then decode steps past half the cache through forward: one cache
     calls = [(x[:12], 0)] + [([x[t]], t) for t in range(12, 48)] + [(x[48:52], 48)] + [([x[t]], t) for t in range(52, 60)]
@@ -75,9 +85,9 @@ def test_pte_runs_and_matches_eager_export_model(tiny_pte, tiny_ckpt):
         ref = torch.stack([model(torch.tensor([ids]), torch.tensor([pos]))[0] for ids, pos in calls])
     got = torch.stack([pte.forward(ids, pos) for ids, pos in calls])
     # XNNPACK's own dynamic quantization rounds a few activations differently from the reference
-    # ops; on a random tiny model that moves logits ~1%, far below the gap between tokens.
+    # ops; on a random tiny model that moves logits ~1%.
     assert ((got - ref).norm() / ref.norm()).item() < 0.03
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_same_tokens_where_clear(got, ref)
 
 
 def test_metadata_and_tokenizer_beside_the_pte(tiny_pte):
@@ -359,7 +369,7 @@ def test_int4_groupwise_lm_head_exports_and_matches_eager(tiny_hf_dir, tmp_path)
                           + [model(torch.tensor([[x[t]]]), torch.tensor([t]))[0] for t in range(8, 12)])
     got = torch.stack([pte.forward(x[:8], 0)] + [pte.forward([x[t]], t) for t in range(8, 12)])
     assert ((got - ref).norm() / ref.norm()).item() < 0.03  # as test_pte_runs_and_matches_eager_export_model
-    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert_same_tokens_where_clear(got, ref)
 
 
 def _two_method_program(patched: bool, release: bool = False, also_read=None):

@@ -239,8 +239,8 @@ class KVCache(nn.Module):
         parts = (k, v) if not self.quantized else (*self._quantize(k), *self._quantize(v))
         self._write(self._stored, torch.arange(n), parts)
 
-    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None):
-        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos``; return what attention reads: the whole
+    def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, near_pos=None):
+        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos`` (rows ``near_pos`` of the near cache); return what attention reads: the whole
         cache (``window`` None), its first ``window`` positions (forward_ctx's symbolic context length) or
         the near cache (``NEAR``), dequantized when int8.
 
@@ -258,7 +258,7 @@ class KVCache(nn.Module):
         if not near:  # forward_near writes the near cache alone; spill_near copies it into the cache later
             self._write(self._stored, pos, parts)
         if self.near_len:
-            self._write(self._stored_near, torch.where(pos < self.near_len, pos, self.near_len), near_parts)
+            self._write(self._stored_near, near_pos, near_parts)
             if near:
                 return self.near_k, self.near_v
 
@@ -354,14 +354,14 @@ class Attention(nn.Module):
             qkv = F.linear(qkv, self.r3) * self.r3_keep + qkv * self.r3_skip
         return qkv.view(-1, self.heads, self.args.head_dim).transpose(0, 1).contiguous()  # [heads, t, hd]
 
-    def forward(self, x, cos, sin, pos, mask, window=None):
+    def forward(self, x, cos, sin, pos, mask, window=None, near_pos=None):
         if self.args.ops == "et-llama":
             return self._forward_et_llama(x, cos, sin, pos)
         a = self.args
         hd, kvh, nh = a.head_dim, a.n_kv_heads, a.n_heads
         qkv = self._qkv(x, cos, sin)
         q, k, v = qkv[:nh], qkv[nh:nh + kvh], qkv[nh + kvh:]
-        keys, values = self.cache.update(pos, k, v, window)  # [kv, n, hd]
+        keys, values = self.cache.update(pos, k, v, window, near_pos)  # [kv, n, hd]
         # GQA without copying the cache: fold each kv head's query heads into the row axis.
         q = q.view(kvh, -1, hd)  # [kv, rep * t, hd]
         scores = torch.bmm(q, keys.transpose(1, 2)) + mask  # q arrives scaled by 1/sqrt(head_dim) (Transformer)
@@ -438,8 +438,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention, self.feed_forward = attention, feed_forward
 
-    def forward(self, x, cos, sin, pos, mask, window=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, pos, mask, window)
+    def forward(self, x, cos, sin, pos, mask, window=None, near_pos=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, pos, mask, window, near_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -486,7 +486,11 @@ class Transformer(nn.Module):
             cols = torch.arange(self.args.max_seq_len if window is None else window)
         mask = torch.where(cols[None, :] <= pos[:, None], 0.0, float("-inf"))
         mask = mask.repeat(self.args.n_heads // self.args.n_kv_heads, 1)  # rows match the GQA fold
+        # The near cache's rows for these positions, decided once for all layers (two portable kernels, where
+        # each layer's own choice was 60 per step): a position's own row below near_len, else the row no
+        # query sees.
+        near_pos = torch.where(pos < self.args.near_len, pos, self.args.near_len) if self.args.near_len else None
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, pos, mask, window)
+            x = layer(x, cos, sin, pos, mask, window, near_pos)
         return self.output(self.norm(x[:, -1, :]))
