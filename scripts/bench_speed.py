@@ -159,7 +159,10 @@ def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: in
     ratio of each pair of steps is far steadier than a ratio of rows measured minutes apart (their
     speed drifted by 20% between processes here). Median step times and the quartiles of B/A step time
     (A's speed relative to B's) come from ``bench_paired``, which runs both load orders."""
-    from spinquant_et.runtime import PteModel, sample
+    from spinquant_et.runtime import PteModel
+    from spinquant_et.sampling import SamplingConfig, sample_token
+
+    greedy = SamplingConfig()
 
     models = [PteModel(p) for p in ptes]
     for m in models:  # warm-up: every method the timed run calls allocates and plans on its first call
@@ -167,14 +170,14 @@ def measure_paired(ptes: list[str], ids: list[int], new_tokens: int, repeats: in
         m.forward([ids[-1]], len(ids))
     steps: list[list[float]] = [[] for _ in models]
     for _ in range(repeats):
-        tokens = [sample(m.forward(ids, 0), 0.0, 0.0, None) for m in models]  # greedy, as generate
+        tokens = [sample_token(m.forward(ids, 0), greedy, None) for m in models]  # greedy, as generate
         for pos in range(len(ids), len(ids) + new_tokens - 1):
             # ABBA: the program stepped first pays for what the other left in the caches and for threads
             # waking up (a fixed order moved the int8-KV ratio by 3%), so the order alternates per step
             for i in (0, 1) if pos % 2 == 0 else (1, 0):
                 m = models[i]
                 t0 = time.perf_counter()
-                tokens[i] = sample(m.forward([tokens[i]], pos), 0.0, 0.0, None)
+                tokens[i] = sample_token(m.forward([tokens[i]], pos), greedy, None)
                 steps[i].append(time.perf_counter() - t0)
     return dict(step_ms=[statistics.median(s) * 1e3 for s in steps], ratios=[b / a for a, b in zip(*steps, strict=True)])
 

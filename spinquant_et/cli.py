@@ -245,9 +245,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    _add_sampling_flags(g)
+
+    ch = sub.add_parser("chat", parents=[verbose], help="multi-turn chat with a .pte (turns from stdin)",
+                        description="A conversation with a .pte: each line on stdin (a terminal or a pipe) is a "
+                        "user turn, wrapped in the model's chat template; the reply streams to stdout and a stats "
+                        "line per turn goes to stderr. The conversation stays in the program's KV cache, so only "
+                        "the new turn's tokens are prefilled. /reset starts a new conversation, /exit (or end of "
+                        "input) ends the chat. When a turn does not fit the context, the oldest turns are dropped "
+                        "and the rest is prefilled again (--stop-when-full ends the chat instead); a turn longer "
+                        "than the whole context gets a one-line error and the chat goes on.")
+    ch.add_argument("pte", help="the .pte file (its chat.json or tokenizer chat template beside it)")
+    ch.add_argument("--tokenizer", help="tokenizer.json or its directory (default: beside the .pte)")
+    ch.add_argument("--system", help="a system prompt (default: the chat template's own, if it has one)")
+    ch.add_argument("--max-new-tokens", type=int, default=128,
+                    help="the longest reply, in tokens (default 128); each turn keeps room for it, up to a "
+                    "quarter of the context")
+    ch.add_argument("--stop-when-full", action="store_true",
+                    help="end the chat when the context is full instead of dropping the oldest turns")
+    _add_sampling_flags(ch)
 
     b = sub.add_parser("bench", parents=[verbose], help="prefill/decode tokens/s of a .pte over repeats",
                        description="Runs generate N times (greedy, no EOS stop) and reports min/median/max.")
@@ -262,6 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
                    "stock runners do, instead of the program's forward_near and forward_ctx")
     b.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """llama.cpp's sampling controls, with its meanings and order (spinquant_et/sampling.py); the C++ runner
+    takes the same flags and draws the same tokens for a seed."""
+    s = p.add_argument_group("sampling (llama.cpp's order: repeat penalty, top-k, top-p, min-p, temperature)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (default 0: all)")
+    s.add_argument("--top-p", type=float, default=0.9, help="keep the most likely tokens up to this mass (default 0.9)")
+    s.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this fraction as likely as the most likely one (default 0: off)")
+    s.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide the logits of recent tokens by this (multiply where negative; default 1: off)")
+    s.add_argument("--repeat-last-n", type=int, default=64, help="how many recent tokens the penalty sees (default 64)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+
+def _sampling(args):
+    from .sampling import SamplingConfig
+
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
 
 
 def _preflight(args, recipe: QuantRecipe | None) -> None:
@@ -515,14 +553,83 @@ def _prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
 def cmd_generate(args) -> int:
     from .runtime import PteModel, TextStreamer, generate
 
+    sampling = _sampling(args)
     model = PteModel(args.pte)
     tokenizer = _tokenizer_for(args.pte, args.tokenizer)
     ids = _prompt_ids(tokenizer, args.prompt, args.chat)
     streamer = TextStreamer(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    _, stats = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, args.seed, on_token=streamer)
+    _, stats = generate(model, ids, args.max_new_tokens, on_token=streamer, sampling=sampling)
     print()
     print(f"ttft {stats.ttft_s * 1000:.0f} ms | prefill {stats.prompt_tokens} tok at {stats.prefill_tok_s:.1f} tok/s | "
           f"decode {stats.new_tokens} tok at {stats.decode_tok_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def _chat_template(pte: str, explicit_tokenizer: str | None, tokenizer):
+    """The chat.json export wrote (the C++ runner reads the same file), else the tokenizer's own template."""
+    from pathlib import Path
+
+    from .chat import CHAT_FILE, ChatTemplate
+
+    where = Path(explicit_tokenizer) if explicit_tokenizer else Path(pte).parent
+    chat_json = (where.parent if where.is_file() else where) / CHAT_FILE
+    template = ChatTemplate.from_file(chat_json) if chat_json.is_file() else ChatTemplate.from_tokenizer(tokenizer)
+    if template is None:
+        raise SpinQuantError("this model has no chat template (no chat.json beside the .pte, none in its tokenizer); "
+                             "use `generate --prompt` instead")
+    if template.turn_prefix is None:
+        fallback = ChatTemplate.from_tokenizer(tokenizer)  # a chat.json from before multi-turn chat
+        if fallback is None or fallback.turn_prefix is None:
+            raise SpinQuantError("this model's chat template does not append turns (it rewrites earlier ones); "
+                                 "chat one turn at a time with `generate --chat`")
+        template = fallback
+    return template
+
+
+def cmd_chat(args) -> int:
+    from .chat import ChatSession, ContextFull
+    from .runtime import PteModel, TextStreamer
+
+    sampling = _sampling(args)
+    if args.max_new_tokens < 1:
+        raise SpinQuantError(f"--max-new-tokens must be >= 1, not {args.max_new_tokens}")
+    model = PteModel(args.pte)
+    tokenizer = _tokenizer_for(args.pte, args.tokenizer)
+    template = _chat_template(args.pte, args.tokenizer, tokenizer)
+    session = ChatSession(model, lambda text: tokenizer.encode(text, add_special_tokens=False), template,
+                          system=args.system, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          stop_when_full=args.stop_when_full,
+                          on_notice=lambda message: print(f"note: {message}", file=sys.stderr, flush=True))
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("chat: one line per turn; /reset starts over, /exit or Ctrl-D ends", file=sys.stderr)
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.rstrip("\r\n")
+        if text.strip() == "/exit":
+            break
+        if text.strip() == "/reset":
+            session.reset()
+            print("note: conversation reset", file=sys.stderr, flush=True)
+            continue
+        if not text.strip():
+            continue
+        streamer = TextStreamer(tokenizer, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        try:
+            result = session.turn(text, on_token=streamer)
+        except ContextFull as e:  # --stop-when-full: the chat ends here, as asked
+            print(f"note: {e}; the chat ends (--stop-when-full)", file=sys.stderr, flush=True)
+            break
+        except SpinQuantError as e:  # this turn only: the conversation goes on without it
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            continue
+        print(flush=True)
+        print(f"prefill {result.prefill_tokens} tok at {result.prefill_tok_s:.1f} tok/s | "
+              f"decode {len(result.reply)} tok at {result.decode_tok_s:.1f} tok/s", file=sys.stderr, flush=True)
     return 0
 
 
@@ -596,8 +703,8 @@ def cmd_eval(args) -> int:
 
 
 COMMANDS = {"optimize": cmd_optimize, "quantize": cmd_quantize, "eval": cmd_eval, "export": cmd_export,
-            "convert": cmd_convert, "report": cmd_report, "generate": cmd_generate, "bench": cmd_bench}
-RUNS_PTE = ("generate", "bench")
+            "convert": cmd_convert, "report": cmd_report, "generate": cmd_generate, "chat": cmd_chat, "bench": cmd_bench}
+RUNS_PTE = ("generate", "chat", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:

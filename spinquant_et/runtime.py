@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import SpinQuantError
+from .sampling import SamplingConfig, SplitMix64, sample_token
 
 log = logging.getLogger(__name__)
 
@@ -166,26 +167,14 @@ class PteModel:
         return logits.reshape(-1, logits.shape[-1])[-1]  # some programs return every position's logits
 
 
-def sample(logits, temperature: float, top_p: float, generator) -> int:
-    """Greedy at temperature 0, else nucleus sampling."""
-    import torch
-
-    if temperature <= 0:  # numpy's argmax: 4 us over a 49152-row vocabulary where torch's takes 48 (1% of a step)
-        return int(logits.float().numpy().argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    sorted_p, idx = probs.sort(descending=True)
-    keep = sorted_p.cumsum(0) - sorted_p < top_p
-    sorted_p = sorted_p * keep
-    choice = torch.multinomial(sorted_p / sorted_p.sum(), 1, generator=generator)
-    return int(idx[choice])
-
-
 def generate(model: PteModel, prompt_ids: list[int], max_new_tokens: int = 128, temperature: float = 0.0,
              top_p: float = 0.9, seed: int = 0, on_token: Callable[[int], None] | None = None,
-             stop_at_eos: bool = True) -> tuple[list[int], GenerationStats]:
-    """Prefill the prompt in one call, then decode one token per call with the program's KV cache."""
-    import torch
-
+             stop_at_eos: bool = True, sampling: SamplingConfig | None = None) -> tuple[list[int], GenerationStats]:
+    """Prefill the prompt in one call, then decode one token per call with the program's KV cache.
+    ``sampling`` (top-k, min-p, repetition penalty: ``sampling.SamplingConfig``) replaces ``temperature``,
+    ``top_p`` and ``seed`` when given."""
+    if sampling is None:
+        sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
     if not prompt_ids:
         raise SpinQuantError("the prompt is empty")
     if len(prompt_ids) >= model.max_seq_len:
@@ -194,24 +183,27 @@ def generate(model: PteModel, prompt_ids: list[int], max_new_tokens: int = 128, 
             "shorten it or re-export with a larger --max-seq-len"
         )
     max_new_tokens = min(max_new_tokens, model.max_seq_len - len(prompt_ids))
-    g = torch.Generator().manual_seed(seed)
+    rng = SplitMix64(sampling.seed)
+    history = list(prompt_ids) if sampling.repeat_penalty != 1.0 else None  # what the penalty looks back on
     t0 = time.perf_counter()
     logits = model.forward(prompt_ids, 0)
     t_prefill = time.perf_counter() - t0
     out: list[int] = []
-    token = sample(logits, temperature, top_p, g)
+    token = sample_token(logits, sampling, rng, history or ())
     ttft = time.perf_counter() - t0
     t1 = time.perf_counter()
     pos = len(prompt_ids)
     while True:
         out.append(token)
+        if history is not None:
+            history.append(token)
         if on_token:
             on_token(token)
         if len(out) >= max_new_tokens or (stop_at_eos and token in model.eos_ids):
             break
         logits = model.forward([token], pos)
         pos += 1
-        token = sample(logits, temperature, top_p, g)
+        token = sample_token(logits, sampling, rng, history or ())
     decode_s = time.perf_counter() - t1
     return out, GenerationStats(len(prompt_ids), len(out), ttft, t_prefill, decode_s)
 

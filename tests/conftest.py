@@ -105,3 +105,30 @@ def runner_binary():
     binary = root / "runner" / "build" / "spinquant-run"
     assert binary.is_file()
     return binary
+
+
+# ChatML with the tiny tokenizer's one special token as both turn marker and end of turn (its EOS), and a
+# default system prompt, as SmolLM2's template has
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|endoftext|>system\nBe brief.<|endoftext|>\n"
+    "{% endif %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_pte(tiny_pte, tmp_path_factory):
+    """``tiny_pte`` in a folder of its own whose tokenizer has a chat template, and the chat.json export
+    renders from it (the C++ runner's template)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from spinquant_et.export.pipeline import stage_tokenizer
+
+    d = tmp_path_factory.mktemp("chat_pte")
+    tok = AutoTokenizer.from_pretrained(tiny_pte.parent)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    stage_tokenizer(tok, d)  # keeps only the tokenizer's files in d: the program comes after
+    shutil.copy(tiny_pte, d / tiny_pte.name)
+    return d / tiny_pte.name

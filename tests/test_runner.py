@@ -207,3 +207,101 @@ def test_build_without_an_executorch_python_is_one_line(tmp_path):
                        env={**os.environ, "PYTHON": "/bin/false"})
     lines = r.stderr.splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "no Python with executorch found" in lines[0], r.stderr
+
+
+SAMPLING_CASES = [
+    [],
+    ["--temperature", "0.8", "--seed", "3"],
+    ["--temperature", "1.2", "--top-k", "40", "--min-p", "0.05", "--repeat-penalty", "1.3", "--seed", "7"],
+    ["--temperature", "0.7", "--top-p", "0.5", "--repeat-penalty", "0.8", "--repeat-last-n", "8", "--seed", "9"],
+    ["--repeat-penalty", "1.5"],
+]
+
+
+def _sampling_config(flags):
+    from spinquant_et.sampling import SamplingConfig
+
+    names = {"--temperature": ("temperature", float), "--top-k": ("top_k", int), "--top-p": ("top_p", float),
+             "--min-p": ("min_p", float), "--repeat-penalty": ("repeat_penalty", float),
+             "--repeat-last-n": ("repeat_last_n", int), "--seed": ("seed", int)}
+    return SamplingConfig(**{names[k][0]: names[k][1](v) for k, v in zip(flags[::2], flags[1::2], strict=True)})
+
+
+@pytest.mark.parametrize("flags", SAMPLING_CASES, ids=lambda f: " ".join(f) or "greedy")
+def test_sampled_tokens_equal_the_python_runtime_for_a_seed(runner_binary, tiny_pte, flags):
+    """Same flags, same seed: the same 24 tokens from both runners (same float64 arithmetic, same SplitMix64
+    draws). The tiny model's logits agree between the runners to float rounding, far from the draws' edges."""
+    from transformers import AutoTokenizer
+
+    from spinquant_et.runtime import PteModel, generate
+
+    tok = AutoTokenizer.from_pretrained(tiny_pte.parent)
+    prompt = "The data model of Python"
+    ours, _ = generate(PteModel(tiny_pte), tok.encode(prompt, add_special_tokens=False), 24, stop_at_eos=False,
+                       sampling=_sampling_config(flags))
+    r = run("--model", tiny_pte, "--prompt", prompt, "--max-new-tokens", 24, "--ids", "--ignore-eos", *flags)
+    assert r.returncode == 0, r.stderr
+    assert [int(x) for x in r.stdout.split()] == ours
+    if "--temperature" in flags:
+        assert len(set(ours)) > 3  # it did sample
+
+
+def interactive(pte, stdin: str, *flags, binary=None, prefix=()):
+    return subprocess.run([*prefix, str(binary or BINARY), "--model", str(pte), "--interactive", *map(str, flags)],
+                          input=stdin, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("flags", [[], ["--temperature", "0.9", "--top-k", "20", "--seed", "4"]], ids=["greedy", "sampled"])
+def test_interactive_chat_equals_the_python_chat(runner_binary, tiny_chat_pte, flags):
+    """Three turns through `--interactive` and through spinquant_et.chat.ChatSession: the same reply tokens, and
+    a stats line per turn whose prefill counts that turn's tokens only."""
+    from transformers import AutoTokenizer
+
+    from spinquant_et.chat import ChatSession, ChatTemplate
+    from spinquant_et.runtime import PteModel
+
+    turns = ["hello", "tell me more about the data model", "and the last one"]
+    r = interactive(tiny_chat_pte, "\n".join(turns) + "\n", "--max-new-tokens", 10, "--ids", *flags)
+    assert r.returncode == 0, r.stderr
+    cpp_replies = [[int(x) for x in line.split()] for line in r.stdout.splitlines()]
+    tok = AutoTokenizer.from_pretrained(tiny_chat_pte.parent)
+    session = ChatSession(PteModel(tiny_chat_pte), lambda s: tok.encode(s, add_special_tokens=False),
+                          ChatTemplate.from_file(tiny_chat_pte.parent / "chat.json"), max_new_tokens=10,
+                          sampling=_sampling_config(flags))
+    results = [session.turn(t) for t in turns]
+    assert cpp_replies == [res.reply for res in results]
+    prefills = [int(line.split("prefill ")[1].split()[0]) for line in r.stderr.splitlines() if "prefill " in line]
+    assert prefills == [res.prefill_tokens for res in results]
+    assert prefills[1] < prefills[0] + len(results[0].reply)  # not the whole conversation again
+
+
+def test_interactive_chat_survives_a_full_context_and_a_too_long_turn(runner_binary, tiny_chat_pte):
+    """30 piped turns in a 96-token context: notices, no error; a turn longer than the context gets one error line
+    and the chat goes on; /reset starts over; /exit ends before the last line."""
+    turns = [f"question number {i} about the data model" for i in range(30)]
+    turns[5] = "word " * 200
+    turns[12] = "/reset"
+    r = interactive(tiny_chat_pte, "\n".join([*turns, "/exit", "never read"]) + "\n", "--max-new-tokens", 8)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.splitlines()
+    assert len([line for line in err if line.startswith("ttft ")]) == 28, r.stderr
+    errors = [line for line in err if line.startswith("error:")]
+    assert len(errors) == 1 and "shorten it (the conversation goes on without it)" in errors[0], errors
+    assert "note: conversation reset" in err
+    assert any(line.startswith("note: context full (96 tokens): dropped the oldest") for line in err), r.stderr
+    stop = interactive(tiny_chat_pte, "\n".join(turns[:12]) + "\n", "--max-new-tokens", 8, "--stop-when-full")
+    assert stop.returncode == 0 and "the chat ends (--stop-when-full)" in stop.stderr, stop.stderr
+
+
+def test_interactive_needs_a_multi_turn_template(runner_binary, tiny_pte, tiny_chat_pte, tmp_path):
+    r = interactive(tiny_pte, "hi\n")
+    assert r.returncode == 2 and "no chat template" in r.stderr
+    import shutil
+
+    shutil.copy(tiny_chat_pte, tmp_path / "m.pte")
+    shutil.copy(tiny_chat_pte.parent / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat.json").write_text('{"prefix": "<|endoftext|>user\\n", "suffix": "<|endoftext|>\\n"}')
+    r = interactive(tmp_path / "m.pte", "hi\n")
+    assert r.returncode == 2 and "no multi-turn template" in r.stderr and len(r.stderr.splitlines()) == 1
+    r = run("--model", tiny_chat_pte, "--prompt", "hi", "--interactive")
+    assert r.returncode == 2 and "drop --prompt" in r.stderr

@@ -1,13 +1,16 @@
 // spinquant-run: generate text with a spinquant-et .pte, with no Python and no libtorch.
 //
 //   spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt "..." [--chat]
-//                 [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--threads K]
+//                 [--max-new-tokens N] [sampling flags] [--threads K]
 //                 [--ids] [--ignore-eos] [--warmup] [--no-weight-cache] [--verbose]
+//   spinquant-run --model model.pte --interactive [--system TEXT] [--stop-when-full] ...  (multi-turn chat)
 //   spinquant-run --tokenizer tokenizer.json --encode FILE     (prints the token ids of FILE)
 //
 // Prefill runs the whole prompt in one forward call, then one token per call; the KV cache lives
 // in the program's mutable buffers. Text streams to stdout; time to first token, prefill and
 // decode tokens/s and peak RSS go to stderr. Errors are one line on stderr and exit code 2.
+// --interactive reads one user turn per line from stdin and keeps the conversation in the KV cache, as
+// spinquant_et/chat.py does (same chat.json pieces, same turn budget, same notices).
 // ExecuTorch's own log lines (cpuinfo probes, "Missing operator") are kept back unless --verbose;
 // an error that they explain quotes them.
 
@@ -25,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <iterator>
 #include <nlohmann/json.hpp>
@@ -36,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "sampling.h"
 #include "tokenizer.h"
 
 // Declared here because the wheel ships the library but not threadpool.h (same signatures).
@@ -89,18 +94,27 @@ std::string missing_operators() {
 }
 
 struct Args {
-  std::string model, tokenizer, prompt, encode;
+  std::string model, tokenizer, prompt, encode, system;
   bool chat = false, ids = false, ignore_eos = false, warmup = false, weight_cache = true;
+  bool interactive = false, has_system = false, stop_when_full = false, has_prompt = false;
   int max_new_tokens = 128, threads = 2;
-  double temperature = 0.0, top_p = 0.9;
-  uint64_t seed = 0;
+  spinquant::SamplingConfig sampling;
 };
 
 const char* kUsage =
     "usage: spinquant-run --model model.pte [--tokenizer tokenizer.json] --prompt TEXT [--chat]\n"
-    "                     [--max-new-tokens 128] [--temperature 0] [--top-p 0.9] [--seed 0] [--threads 2]\n"
+    "                     [--max-new-tokens 128] [--threads 2] [sampling flags]\n"
     "                     [--ids] [--ignore-eos] [--warmup] [--no-weight-cache] [--verbose]\n"
+    "       spinquant-run --model model.pte --interactive [--system TEXT] [--stop-when-full] [sampling flags]\n"
     "       spinquant-run --tokenizer tokenizer.json --encode FILE\n"
+    "sampling, in llama.cpp's order and meaning (the same tokens as `spinquant-et generate` for a seed):\n"
+    "  --repeat-penalty 1 (1: off) over --repeat-last-n 64 tokens, --top-k 0 (0: all), --top-p 0.9,\n"
+    "  --min-p 0 (0: off), --temperature 0 (0: greedy), --seed 0\n"
+    "--interactive: a chat, one user turn per line of stdin (a terminal or a pipe), each wrapped in chat.json's\n"
+    "template; the conversation stays in the KV cache (only the new turn is prefilled); /reset starts over,\n"
+    "/exit or end of input ends; a stats line per turn on stderr. A turn that does not fit drops the oldest\n"
+    "turns and prefills the rest again (--stop-when-full ends the chat instead); each turn keeps room for\n"
+    "--max-new-tokens of reply, up to a quarter of the context. --system TEXT replaces the default system prompt.\n"
     "--tokenizer defaults to tokenizer.json beside the .pte; --chat wraps the prompt in the chat\n"
     "template that `spinquant-et export` renders to chat.json beside it; --ids prints token ids\n"
     "instead of text; temperature 0 is greedy; --warmup runs the prompt and one decode step once\n"
@@ -123,7 +137,10 @@ Args parse(int argc, char** argv) {
     try {
       if (k == "--model") a.model = value();
       else if (k == "--tokenizer") a.tokenizer = value();
-      else if (k == "--prompt") a.prompt = value();
+      else if (k == "--prompt") {
+        a.prompt = value();
+        a.has_prompt = true;
+      }
       else if (k == "--encode") a.encode = value();
       else if (k == "--chat") a.chat = true;
       else if (k == "--ids") a.ids = true;
@@ -133,9 +150,19 @@ Args parse(int argc, char** argv) {
       else if (k == "--verbose" || k == "-v") g_verbose = true;  // read by the log handler
       else if (k == "--max-new-tokens") a.max_new_tokens = std::stoi(value());
       else if (k == "--threads") a.threads = std::stoi(value());
-      else if (k == "--temperature") a.temperature = std::stod(value());
-      else if (k == "--top-p") a.top_p = std::stod(value());
-      else if (k == "--seed") a.seed = std::stoull(value());
+      else if (k == "--temperature") a.sampling.temperature = std::stod(value());
+      else if (k == "--top-p") a.sampling.top_p = std::stod(value());
+      else if (k == "--top-k") a.sampling.top_k = std::stoi(value());
+      else if (k == "--min-p") a.sampling.min_p = std::stod(value());
+      else if (k == "--repeat-penalty") a.sampling.repeat_penalty = std::stod(value());
+      else if (k == "--repeat-last-n") a.sampling.repeat_last_n = std::stoi(value());
+      else if (k == "--seed") a.sampling.seed = std::stoull(value());
+      else if (k == "--interactive" || k == "-i") a.interactive = true;
+      else if (k == "--stop-when-full") a.stop_when_full = true;
+      else if (k == "--system") {
+        a.system = value();
+        a.has_system = true;
+      }
       else if (k == "--help" || k == "-h") {
         std::cout << kUsage;
         std::exit(0);
@@ -147,6 +174,16 @@ Args parse(int argc, char** argv) {
     }
   }
   if (a.encode.empty() && a.model.empty()) throw Fail("--model is required (see --help)");
+  const auto& c = a.sampling;
+  if (c.temperature < 0) throw Fail("--temperature must be >= 0 (0 = greedy)");
+  if (c.top_k < 0) throw Fail("--top-k must be >= 0 (0 = off)");
+  if (!(c.top_p > 0 && c.top_p <= 1)) throw Fail("--top-p must be in (0, 1] (1 = off)");
+  if (!(c.min_p >= 0 && c.min_p < 1)) throw Fail("--min-p must be in [0, 1) (0 = off)");
+  if (!(c.repeat_penalty > 0)) throw Fail("--repeat-penalty must be > 0 (1 = off)");
+  if (c.repeat_last_n < 0) throw Fail("--repeat-last-n must be >= 0");
+  if (a.max_new_tokens < 1) throw Fail("--max-new-tokens must be >= 1");
+  if (a.interactive && a.has_prompt) throw Fail("--interactive reads its turns from stdin; drop --prompt");
+  if (a.has_system && !a.interactive) throw Fail("--system is for --interactive chats");
   if (a.tokenizer.empty() && !a.model.empty()) {
     auto slash = a.model.find_last_of('/');
     a.tokenizer = (slash == std::string::npos ? std::string() : a.model.substr(0, slash + 1)) + "tokenizer.json";
@@ -175,26 +212,6 @@ std::vector<int64_t> metadata_ints(Module& m, const std::string& name) {
   return out;
 }
 
-size_t sample(const float* logits, size_t n, double temperature, double top_p, std::mt19937_64& rng) {
-  if (temperature <= 0) return std::max_element(logits, logits + n) - logits;
-  std::vector<double> p(n);
-  double mx = *std::max_element(logits, logits + n), sum = 0;
-  for (size_t i = 0; i < n; ++i) sum += p[i] = std::exp((logits[i] - mx) / temperature);
-  std::vector<size_t> order(n);
-  std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return p[a] > p[b]; });
-  double kept = 0;
-  size_t k = 0;
-  while (k < n && (k == 0 || kept < top_p * sum)) kept += p[order[k++]];
-  std::uniform_real_distribution<double> u(0, kept);
-  double r = u(rng);
-  for (size_t i = 0; i < k; ++i) {
-    r -= p[order[i]];
-    if (r <= 0) return order[i];
-  }
-  return order[k - 1];
-}
-
 // Peak resident memory of this program. VmHWM, not getrusage: ru_maxrss survives exec, so a runner
 // started by a large process (a Python benchmark) would report its parent's peak.
 double peak_rss_mib() {
@@ -205,6 +222,165 @@ double peak_rss_mib() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
   return ru.ru_maxrss / 1024.0;
+}
+
+// The chat template as literal text around messages, as `spinquant-et export` renders it into chat.json
+// (spinquant_et/chat.py says what each piece is).
+struct ChatTemplate {
+  std::string prefix, suffix, turn_prefix, system_prefix, system_suffix;
+  bool has_turns = false, has_system = false;
+};
+
+ChatTemplate read_chat_template(const std::string& tokenizer_path) {
+  auto slash = tokenizer_path.find_last_of('/');
+  std::string path = (slash == std::string::npos ? std::string() : tokenizer_path.substr(0, slash + 1)) + "chat.json";
+  std::ifstream f(path);
+  if (!f) throw Fail("no chat template (" + path + "); drop --chat or re-export the model");
+  ChatTemplate t;
+  try {
+    auto j = nlohmann::json::parse(f);
+    t.prefix = j.at("prefix").get<std::string>();
+    t.suffix = j.at("suffix").get<std::string>();
+    if (j.contains("turn_prefix")) {
+      t.turn_prefix = j.at("turn_prefix").get<std::string>();
+      t.has_turns = true;
+    }
+    if (j.contains("system_prefix") && j.contains("system_suffix")) {
+      t.system_prefix = j.at("system_prefix").get<std::string>();
+      t.system_suffix = j.at("system_suffix").get<std::string>();
+      t.has_system = true;
+    }
+  } catch (const nlohmann::json::exception&) {
+    throw Fail(path + " is not a chat template spinquant-et wrote; re-export the model");
+  }
+  return t;
+}
+
+// One forward call of the tokens at a start position, then the sampled next token (history: the context's ids).
+using NextToken = std::function<int64_t(std::vector<int64_t>&, int64_t, const std::vector<int64_t>&)>;
+
+std::string trimmed(const std::string& s) {
+  const char* space = " \t\r\n";
+  auto b = s.find_first_not_of(space);
+  return b == std::string::npos ? std::string() : s.substr(b, s.find_last_not_of(space) - b + 1);
+}
+
+// --interactive: the conversation of spinquant_et.chat.ChatSession, turn for turn.
+int chat(const Args& a, const spinquant::Tokenizer& tok, int64_t max_seq_len, const std::set<int64_t>& eos,
+         const NextToken& next_token) {
+  const ChatTemplate t = read_chat_template(a.tokenizer);
+  if (!t.has_turns)
+    throw Fail("chat.json has no multi-turn template (written by an older spinquant-et, or the template rewrites "
+               "earlier turns); re-export the model, or use --prompt --chat");
+  if (a.has_system && !t.has_system) throw Fail("this model's chat template has no system role; drop --system");
+  const std::string header = a.has_system ? t.system_prefix + a.system + t.system_suffix : t.prefix;
+  // each turn keeps room for its reply: --max-new-tokens, at most a quarter of the context
+  const int64_t reply_room = std::max<int64_t>(1, std::min<int64_t>(a.max_new_tokens, max_seq_len / 4));
+  const bool penalize = a.sampling.repeat_penalty != 1.0;
+  struct Turn {
+    std::string user;
+    std::vector<int64_t> reply;  // without its end-of-turn token
+  };
+  std::vector<Turn> turns;
+  std::vector<int64_t> context;  // the conversation's ids; the KV cache holds the first `filled`
+  int64_t filled = 0;
+  auto append = [](std::vector<int64_t>& to, const std::vector<int64_t>& more) { to.insert(to.end(), more.begin(), more.end()); };
+  // the ids of turns[from..] and a new user message, from the start of the conversation
+  auto rebuild = [&](size_t from, const std::string& user) {
+    std::vector<int64_t> ids = tok.encode(header + (from < turns.size() ? turns[from].user : user) + t.suffix);
+    for (size_t i = from; i < turns.size(); ++i) {
+      append(ids, turns[i].reply);
+      append(ids, tok.encode(t.turn_prefix + (i + 1 < turns.size() ? turns[i + 1].user : user) + t.suffix));
+    }
+    return ids;
+  };
+  const bool tty = isatty(STDIN_FILENO);
+  if (tty) std::cerr << "chat: one line per turn; /reset starts over, /exit or Ctrl-D ends\n";
+  std::string line;
+  while (true) {
+    if (tty) std::cerr << "> " << std::flush;
+    if (!std::getline(std::cin, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const std::string command = trimmed(line);
+    if (command == "/exit") break;
+    if (command == "/reset") {
+      turns.clear();
+      context.clear();
+      filled = 0;
+      std::cerr << "note: conversation reset\n";
+      continue;
+    }
+    if (command.empty()) continue;
+    std::vector<int64_t> ids;
+    int64_t start = 0;
+    if (!turns.empty()) {
+      ids = context;
+      append(ids, tok.encode(t.turn_prefix + line + t.suffix));
+      start = filled;
+    } else {
+      ids = rebuild(0, line);
+    }
+    size_t dropped = 0;
+    if (static_cast<int64_t>(ids.size()) + reply_room > max_seq_len) {
+      if (!turns.empty() && a.stop_when_full) {
+        std::cerr << "note: the conversation fills the program's context of " << max_seq_len
+                  << " tokens; the chat ends (--stop-when-full)\n";
+        break;
+      }
+      dropped = turns.size();
+      for (size_t k = 1; k <= turns.size(); ++k) {  // drop the fewest turns that make room
+        if (static_cast<int64_t>(rebuild(k, line).size()) + reply_room <= max_seq_len) {
+          dropped = k;
+          break;
+        }
+      }
+      ids = rebuild(dropped, line);
+      start = 0;
+      if (static_cast<int64_t>(ids.size()) >= max_seq_len) {
+        std::cerr << "error: this turn has " << ids.size() << " tokens with the chat template but the program's context is "
+                  << max_seq_len << "; shorten it (the conversation goes on without it)" << std::endl;
+        continue;
+      }
+      if (dropped)
+        std::cerr << "note: context full (" << max_seq_len << " tokens): dropped the oldest " << dropped
+                  << " turn(s); prefilling the remaining " << ids.size() << " tokens again" << std::endl;
+      turns.erase(turns.begin(), turns.begin() + dropped);
+    }
+    std::vector<int64_t> history(penalize ? ids : std::vector<int64_t>());
+    std::vector<int64_t> input(ids.begin() + start, ids.end());
+    auto t0 = Clock::now();
+    int64_t next = next_token(input, start, history);
+    const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+    int64_t pos = static_cast<int64_t>(ids.size());
+    std::vector<int64_t> reply;
+    spinquant::Utf8Streamer stream;
+    auto t1 = Clock::now();
+    while (!eos.count(next)) {
+      reply.push_back(next);
+      if (a.ids) std::cout << (reply.size() > 1 ? " " : "") << next << std::flush;
+      else std::cout << stream.push(tok.token_bytes(next)) << std::flush;
+      if (static_cast<int>(reply.size()) >= a.max_new_tokens) break;
+      if (pos >= max_seq_len) {  // no position left to feed it
+        std::cerr << "\nnote: the reply reached the end of the program's context (" << max_seq_len << " tokens)\n";
+        break;
+      }
+      if (penalize) history.push_back(next);
+      std::vector<int64_t> one{next};
+      next = next_token(one, pos, history);
+      ++pos;
+    }
+    std::cout << (a.ids ? "" : stream.flush()) << std::endl;
+    const double decode_s = std::chrono::duration<double>(Clock::now() - t1).count();
+    const int decoded = static_cast<int>(reply.size()) - 1;
+    fprintf(stderr, "ttft %.0f ms; prefill %zu tok at %.1f tok/s; decode %d tok at %.1f tok/s; peak RSS %.0f MiB\n",
+            prefill_s * 1000, input.size(), input.size() / std::max(prefill_s, 1e-9), std::max(decoded, 0),
+            decoded > 0 ? decoded / std::max(decode_s, 1e-9) : 0.0, peak_rss_mib());
+    turns.push_back({line, reply});
+    context = ids;
+    append(context, reply);
+    filled = pos;
+  }
+  return 0;
 }
 
 int run(const Args& a) {
@@ -269,21 +445,6 @@ int run(const Args& a) {
   auto eos_list = metadata_ints(module, "get_eos_ids");
   std::set<int64_t> eos(eos_list.begin(), eos_list.end());
 
-  std::string prompt = a.prompt;
-  if (a.chat) {
-    auto slash = a.tokenizer.find_last_of('/');
-    std::string chat = (slash == std::string::npos ? std::string() : a.tokenizer.substr(0, slash + 1)) + "chat.json";
-    std::ifstream f(chat);
-    if (!f) throw Fail("no chat template (" + chat + "); drop --chat or re-export the model");
-    auto j = nlohmann::json::parse(f);
-    prompt = j.at("prefix").get<std::string>() + a.prompt + j.at("suffix").get<std::string>();
-  }
-  std::vector<int64_t> ids = tok.encode(prompt);
-  if (ids.empty()) throw Fail("the prompt is empty");
-  if (static_cast<int64_t>(ids.size()) > max_seq_len - 1)
-    throw Fail("the prompt has " + std::to_string(ids.size()) + " tokens but the program's context is " +
-               std::to_string(max_seq_len) + "; shorten it or re-export with a larger --max-seq-len");
-
   // One forward call of `input` at position `start`, through the method spinquant_et.runtime.choose_method
   // picks: a decode step through forward_near while the context fits its cache; else forward_ctx, which
   // copies the filled K/V out of the cache, so a decode step past half the cache (and the very last
@@ -313,6 +474,30 @@ int run(const Args& a) {
                                  std::to_string(int(result.error())) + ")");
     return std::move(*result);
   };
+
+  // One call: `input` at position `start`, then sample the next token from the last position's logits.
+  spinquant::SplitMix64 rng(a.sampling.seed);
+  auto next_token = [&](std::vector<int64_t>& input, int64_t start, const std::vector<int64_t>& history) {
+    auto result = step(input, start);
+    const auto& logits = result.at(0).toTensor();
+    size_t vocab = logits.size(logits.dim() - 1);
+    return static_cast<int64_t>(spinquant::sample_token(logits.const_data_ptr<float>() + (logits.numel() - vocab),
+                                                        vocab, a.sampling, rng, history));
+  };
+  const bool penalize = a.sampling.repeat_penalty != 1.0;
+
+  if (a.interactive) return chat(a, tok, max_seq_len, eos, next_token);
+
+  std::string prompt = a.prompt;
+  if (a.chat) {
+    ChatTemplate t = read_chat_template(a.tokenizer);
+    prompt = t.prefix + a.prompt + t.suffix;
+  }
+  std::vector<int64_t> ids = tok.encode(prompt);
+  if (ids.empty()) throw Fail("the prompt is empty");
+  if (static_cast<int64_t>(ids.size()) > max_seq_len - 1)
+    throw Fail("the prompt has " + std::to_string(ids.size()) + " tokens but the program's context is " +
+               std::to_string(max_seq_len) + "; shorten it or re-export with a larger --max-seq-len");
   if (a.warmup) {  // the prompt fits with a position to spare (checked above)
     // the timed run writes every position it reads again before reading it
     std::vector<int64_t> prompt_ids(ids), one{ids.back()};
@@ -320,34 +505,29 @@ int run(const Args& a) {
     step(one, static_cast<int64_t>(ids.size()));
   }
 
-  std::mt19937_64 rng(a.seed);
   spinquant::Utf8Streamer stream;
   int64_t pos = 0;
-  std::vector<int64_t> input(ids);
+  std::vector<int64_t> input(ids), history(penalize ? ids : std::vector<int64_t>());
   auto t0 = Clock::now();
   double ttft = 0, prefill_s = 0;
   int generated = 0;
-  std::vector<int64_t> out_ids;
   while (generated < a.max_new_tokens && pos + static_cast<int64_t>(input.size()) <= max_seq_len) {
     auto t_step = Clock::now();
-    auto result = step(input, pos);
-    const auto& logits = result.at(0).toTensor();
-    size_t vocab = logits.size(logits.dim() - 1);
-    size_t next = sample(logits.const_data_ptr<float>() + (logits.numel() - vocab), vocab, a.temperature, a.top_p, rng);
+    int64_t next = next_token(input, pos, history);
     pos += input.size();
     if (generated == 0) {
       prefill_s = std::chrono::duration<double>(Clock::now() - t_step).count();
       ttft = std::chrono::duration<double>(Clock::now() - t0).count();
     }
     ++generated;
-    out_ids.push_back(next);
+    if (penalize) history.push_back(next);
     if (a.ids) {
       std::cout << next << (generated < a.max_new_tokens ? " " : "") << std::flush;
     } else {
       std::cout << stream.push(tok.token_bytes(next)) << std::flush;
     }
     if (!a.ignore_eos && eos.count(next)) break;
-    input.assign(1, static_cast<int64_t>(next));
+    input.assign(1, next);
   }
   std::cout << (a.ids ? "" : stream.flush()) << std::endl;
   double total = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -240,9 +240,9 @@ class KVCache(nn.Module):
         self._write(self._stored, torch.arange(n), parts)
 
     def update(self, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window=None, near_pos=None):
-        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos`` (rows ``near_pos`` of the near cache); return what attention reads: the whole
-        cache (``window`` None), its first ``window`` positions (forward_ctx's symbolic context length) or
-        the near cache (``NEAR``), dequantized when int8.
+        """Write ``k, v [kv_heads, t, head_dim]`` at positions ``pos`` (rows ``near_pos`` of the near cache);
+        return what attention reads: the whole cache (``window`` None), its first ``window`` positions
+        (forward_ctx's symbolic context length) or the near cache (``NEAR``), dequantized when int8.
 
         The near cache is float even beside an int8 cache: it holds the new K/V quantized and dequantized
         at once, exactly what a later dequantize of the int8 cache returns, so forward_near reads it with no

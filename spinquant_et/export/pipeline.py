@@ -10,6 +10,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..chat import CHAT_FILE, ChatTemplate
 from ..errors import SpinQuantError
 from ..io import usual_mode
 from ..recipe import QuantRecipe
@@ -48,7 +49,6 @@ def eos_ids(tokenizer, config) -> list[int]:
     return sorted(ids)
 
 
-CHAT_FILE = "chat.json"
 # What export writes beside X.pte (the tokenizer's share is what save_pretrained writes, kept if present):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "tokenizer.model", CHAT_FILE)
@@ -78,25 +78,9 @@ def stage_tokenizer(tokenizer, directory: Path) -> None:
             f.unlink()
     if not (directory / "tokenizer.json").is_file():
         raise SpinQuantError("the tokenizer has no tokenizer.json form (a slow tokenizer?); ExecuTorch's runners need one")
-    chat = chat_prefix_suffix(tokenizer)
+    chat = ChatTemplate.from_tokenizer(tokenizer)
     if chat:
-        (directory / CHAT_FILE).write_text(json.dumps({"prefix": chat[0], "suffix": chat[1]}, indent=2))
-
-
-_PLACEHOLDER = "\x00PROMPT\x00"
-
-
-def chat_prefix_suffix(tokenizer) -> tuple[str, str] | None:
-    """The chat template rendered around one user message, as the text before and after it, so a
-    runner without a Jinja engine (the C++ one) wraps prompts exactly as ``apply_chat_template``."""
-    if not getattr(tokenizer, "chat_template", None):
-        return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _PLACEHOLDER}], add_generation_prompt=True,
-                                         tokenize=False)
-    if text.count(_PLACEHOLDER) != 1:
-        return None
-    prefix, suffix = text.split(_PLACEHOLDER)
-    return prefix, suffix
+        chat.write(directory / CHAT_FILE)
 
 
 def export(model: str, recipe: QuantRecipe | None, out: str | Path, max_seq_len: int | None = None,
