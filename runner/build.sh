@@ -110,13 +110,12 @@ fi
 compile "$OUT/cmake"
 test -x "$OUT/cmake/spinquant-run"
 # The folder to copy: the binary, and in lib/ the wheel's libraries it links (they find each other through
-# their own $ORIGIN runpath) plus the cross toolchain's libstdc++ and libgcc_s, so a board with an older
-# GCC runtime still runs it. glibc is the board's own.
+# their own $ORIGIN runpath). glibc and libstdc++ are the board's own: the toolchain's libstdc++ would need
+# glibc 2.36, where the binary needs 2.34 and the wheel's libraries 2.27 (tests/test_runner_aarch64.py).
 rm -rf "$OUT/lib" && mkdir -p "$OUT/lib"
 for name in executorch executorch_kernels_optimized executorch_kernels_quantized executorch_backend_xnnpack \
             executorch_threadpool; do
   cp "$CACHE/executorch/lib/lib$name.so" "$OUT/lib/"
 done
-cp -L /usr/aarch64-linux-gnu/lib/libstdc++.so.6 /usr/aarch64-linux-gnu/lib/libgcc_s.so.1 "$OUT/lib/"
 cp "$OUT/cmake/spinquant-run" "$OUT/spinquant-run"
 echo "built $(pwd)/$OUT/spinquant-run (aarch64; copy $(pwd)/$OUT to the board and run ./spinquant-run there)"

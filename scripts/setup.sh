@@ -16,6 +16,17 @@ if [ ${#missing[@]} -gt 0 ]; then
     echo "note: the C++ runner needs: sudo apt-get install ${missing[*]}" >&2
   fi
 fi
+# The ARM64 runner's cross toolchain and qemu-user, which its tests run it under (runner/build.sh --target
+# aarch64 installs the toolchain itself when root; the tests skip, saying why, where neither can be had).
+cross=()
+for pkg in g++-aarch64-linux-gnu libpcre2-dev:arm64 qemu-user; do
+  dpkg -s "$pkg" > /dev/null 2>&1 || cross+=("$pkg")
+done
+if [ ${#cross[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+  dpkg --print-foreign-architectures | grep -qx arm64 || dpkg --add-architecture arm64
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${cross[@]}" > /dev/null; } ||
+    echo "note: the ARM64 runner build and its tests need: apt-get install ${cross[*]}" >&2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip

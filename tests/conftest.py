@@ -132,3 +132,27 @@ def tiny_chat_pte(tiny_pte, tmp_path_factory):
     stage_tokenizer(tok, d)  # keeps only the tokenizer's files in d: the program comes after
     shutil.copy(tiny_pte, d / tiny_pte.name)
     return d / tiny_pte.name
+
+
+AARCH64_SYSROOT = "/usr/aarch64-linux-gnu"
+# qemu-user with the cross toolchain's glibc: its loader must load its own libc. With Debian's multiarch libc6:arm64
+# also installed, the host's ld.so.cache points at that (another build), and the mix hangs at the first thread.
+QEMU_AARCH64 = ["qemu-aarch64", "-L", AARCH64_SYSROOT, "-E", f"LD_LIBRARY_PATH={AARCH64_SYSROOT}/lib"]
+
+
+@pytest.fixture(scope="session")
+def aarch64_runner():
+    """runner/build-aarch64/spinquant-run, cross-compiled once per session; skipped, with the reason, only where
+    qemu-user or the cross toolchain cannot be installed (scripts/setup.sh installs both when run as root)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("qemu-aarch64") is None:
+        pytest.skip("qemu-aarch64 not found: apt-get install qemu-user (scripts/setup.sh does, as root)")
+    root = Path(__file__).parents[1]
+    build = subprocess.run(["bash", str(root / "runner" / "build.sh"), "--target", "aarch64"], capture_output=True,
+                           text=True, timeout=900)
+    if build.returncode == 2 and "needs:" in build.stderr:
+        pytest.skip(build.stderr.strip())
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-3000:]
+    return root / "runner" / "build-aarch64" / "spinquant-run"

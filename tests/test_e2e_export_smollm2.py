@@ -87,3 +87,48 @@ def test_cpp_runner_tokenizer_and_greedy_tokens_match_python(smollm2_export, run
         r = run("--model", result.pte, "--prompt", prompt, *flags, "--max-new-tokens", 32, "--ids", "--ignore-eos")
         assert r.returncode == 0, r.stderr
         assert [int(x) for x in r.stdout.split()] == ours
+
+
+def test_arm64_runner_under_qemu_gives_the_x86_greedy_ids(smollm2_export, runner_binary, aarch64_runner):
+    """The demo program through the aarch64 build (qemu-user) and the x86-64 one: the same 8 greedy ids."""
+    import subprocess
+
+    from conftest import QEMU_AARCH64
+
+    _, result = smollm2_export
+    args = ["--model", str(result.pte), "--prompt", "The capital of France is", "--max-new-tokens", "8", "--ids",
+            "--ignore-eos"]
+    x86 = subprocess.run([str(runner_binary), *args], capture_output=True, text=True, timeout=300)
+    arm = subprocess.run([*QEMU_AARCH64, str(aarch64_runner), *args], capture_output=True, text=True, timeout=600)
+    assert x86.returncode == 0 and arm.returncode == 0, arm.stderr
+    assert arm.stdout.split() == x86.stdout.split() and len(x86.stdout.split()) == 8
+
+
+CHAT = ["What is the capital of France?", "And what about Germany?"]
+
+
+def test_chat_remembers_the_first_turn_in_both_runners(smollm2_export, runner_binary):
+    """README's chat: Paris, then Berlin for a question that names no capital, through `spinquant-run
+    --interactive` and `spinquant-et chat`; the second turn prefills its own tokens only."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from spinquant_et.chat import ChatTemplate
+
+    _, result = smollm2_export
+    stdin = "\n".join(CHAT) + "\n"
+    cpp = subprocess.run([str(runner_binary), "--model", str(result.pte), "--interactive", "--max-new-tokens", "48"],
+                         input=stdin, capture_output=True, text=True, timeout=300)
+    py = subprocess.run([sys.executable, "-m", "spinquant_et.cli", "chat", str(result.pte), "--max-new-tokens", "48"],
+                        input=stdin, capture_output=True, text=True, timeout=300)
+    tok = AutoTokenizer.from_pretrained(result.pte.parent)
+    second = len(tok.encode(ChatTemplate.from_file(result.pte.parent / "chat.json").next_turn(CHAT[1]),
+                            add_special_tokens=False))
+    for r in (cpp, py):
+        assert r.returncode == 0, r.stderr
+        replies = r.stdout.strip().split("\n")
+        assert "Paris" in replies[0] and "Berlin" in r.stdout.split("Paris", 1)[1], r.stdout
+        prefills = [int(line.split("prefill ")[1].split()[0]) for line in r.stderr.splitlines() if "prefill " in line]
+        assert len(prefills) == 2 and prefills[1] in (second, second + 1), (prefills, second)  # +1: a reply cut at 48

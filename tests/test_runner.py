@@ -163,7 +163,7 @@ def test_no_libtorch_no_libpython(runner_binary):
     assert not [lib for lib in libs if "libtorch" in lib or "libc10" in lib or "python" in lib], libs
 
 
-@pytest.mark.parametrize("case", ["missing", "corrupt", "tokenizer", "too_long", "chat"])
+@pytest.mark.parametrize("case", ["missing", "corrupt", "tokenizer", "too_long", "chat", "sampling"])
 def test_bad_input_is_one_line_and_nonzero(runner_binary, tiny_pte, tmp_path, case):
     tok = tiny_pte.parent / "tokenizer.json"
     if case == "missing":
@@ -178,6 +178,8 @@ def test_bad_input_is_one_line_and_nonzero(runner_binary, tiny_pte, tmp_path, ca
         r, expect = run("--model", tiny_pte, "--tokenizer", bad, "--prompt", "hi"), "is not valid JSON"
     elif case == "too_long":
         r, expect = run("--model", tiny_pte, "--prompt", "word " * 400), "but the program's context is 96"
+    elif case == "sampling":
+        r, expect = run("--model", tiny_pte, "--prompt", "hi", "--top-p", "0"), "--top-p must be in (0, 1]"
     else:
         r, expect = run("--model", tiny_pte, "--prompt", "hi", "--chat"), "no chat template"
     lines = r.stderr.splitlines()  # one line: ExecuTorch's own log lines are kept back (shown with --verbose)
