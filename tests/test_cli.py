@@ -138,10 +138,16 @@ def _readme_commands() -> list[list[str]]:
     commands = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():
-            for part in line.split("&&"):
-                words = shlex.split(part, comments=True)
-                if words and words[0].endswith("spinquant-et"):
-                    commands.append(words[1:])
+            lexer = shlex.shlex(line, posix=True, punctuation_chars=True)  # `&&`, `|` and `;` as their own tokens
+            lexer.whitespace_split, lexer.commenters = True, "#"
+            words: list[str] = []
+            for token in [*lexer, "&&"]:
+                if token in ("&&", "|", "||", ";"):
+                    if words and words[0].endswith("spinquant-et"):
+                        commands.append(words[1:])
+                    words = []
+                else:
+                    words.append(token)
     return commands
 
 
@@ -151,7 +157,7 @@ def test_readme_commands_parse_and_the_convert_example_runs(capsys, tiny_hf_dir,
     from spinquant_et.cli import build_parser
 
     commands = _readme_commands()
-    assert {c[0] for c in commands} >= {"export", "generate", "quantize", "convert"}
+    assert {c[0] for c in commands} >= {"export", "generate", "quantize", "convert", "chat"}
     for argv in commands:
         build_parser().parse_args(argv)  # argparse exits on a flag that does not exist
     monkeypatch.chdir(tmp_path)
