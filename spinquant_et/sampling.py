@@ -89,9 +89,26 @@ def _apply_repeat_penalty(logits: np.ndarray, history: Sequence[int], config: Sa
     return logits
 
 
+def _sorted_prefix(x: np.ndarray, m: int) -> np.ndarray:
+    """The ids of the ``m`` largest logits of ``x``, ordered by (logit descending, id ascending): what a full
+    stable sort would put first, at the cost of a partition (the C++ runner's std::partial_sort)."""
+    n = x.shape[0]
+    if m >= n:
+        return np.argsort(-x, kind="stable")
+    v = x[np.argpartition(-x, m - 1)[:m]].min()  # the m-th largest value
+    above = np.flatnonzero(x > v)
+    chosen = np.concatenate([above, np.flatnonzero(x == v)[: m - above.shape[0]]])  # ties: the lowest ids
+    return chosen[np.argsort(-x[chosen], kind="stable")]
+
+
 def sample_token(logits, config: SamplingConfig, rng: SplitMix64 | None, history: Sequence[int] = ()) -> int:
     """The next token for ``logits`` (``[vocab]``, a tensor or an array), given the context's ``history``
-    of token ids (for the repetition penalty). ``rng`` may be None when ``config`` is greedy."""
+    of token ids (for the repetition penalty). ``rng`` may be None when ``config`` is greedy.
+
+    Candidates stay in token-id order until a control needs them ranked (top-k, top-p), and the ranked
+    ones are found by partial sorts, so a step costs O(vocab) plus a sort of the few kept: a full sort of a
+    49152-token vocabulary per step took a third of the C++ runner's decode time. Sums run over the
+    candidates in their current order, the same order in both runners."""
     x = logits.float().numpy() if hasattr(logits, "numpy") else np.asarray(logits)
     if config.greedy and config.repeat_penalty == 1.0:
         return int(x.argmax())  # numpy's argmax: 4 us over a 49152-row vocabulary where torch's takes 48
@@ -100,18 +117,24 @@ def sample_token(logits, config: SamplingConfig, rng: SplitMix64 | None, history
         return int(x.argmax())
     if rng is None:
         raise ValueError("sampling at a temperature above 0 needs a SplitMix64")
-    order = np.argsort(-x, kind="stable")  # most likely first; equal logits by token id
-    if 0 < config.top_k < order.shape[0]:
-        order = order[: config.top_k]
-    cand = x[order]
+    n = x.shape[0]
+    top = x.max()
+    ranked = 0 < config.top_k < n
+    cand = _sorted_prefix(x, config.top_k) if ranked else np.arange(n)
     if config.top_p < 1.0:
-        cum = np.cumsum(np.exp(cand - cand[0]))
-        keep = int(np.searchsorted(cum, config.top_p * cum[-1], side="left")) + 1  # first prefix reaching p
-        cand, order = cand[:keep], order[:keep]
+        target = config.top_p * np.cumsum(np.exp(x[cand] - top))[-1]  # the candidates' mass, in their order
+        m = min(64, cand.shape[0])
+        while True:  # the shortest ranked prefix whose mass reaches top_p of it
+            prefix = cand[:m] if ranked else _sorted_prefix(x, m)
+            cum = np.cumsum(np.exp(x[prefix] - top))
+            i = int(np.searchsorted(cum, target, side="left"))
+            if i < m or m == cand.shape[0]:
+                cand, ranked = prefix[: min(i + 1, m)], True
+                break
+            m = min(4 * m, cand.shape[0])
     if config.min_p > 0.0:
-        keep = max(1, int(np.count_nonzero(cand >= cand[0] + math.log(config.min_p))))
-        cand, order = cand[:keep], order[:keep]
-    cum = np.cumsum(np.exp((cand - cand[0]) / config.temperature))
+        cand = cand[x[cand] >= top + math.log(config.min_p)]  # in their order; the top token always stays
+    cum = np.cumsum(np.exp((x[cand] - top) / config.temperature))
     r = rng.uniform() * cum[-1]
     i = min(int(np.searchsorted(cum, r, side="right")), cum.shape[0] - 1)  # first cumulative mass above r
-    return int(order[i])
+    return int(cand[i])

@@ -217,6 +217,8 @@ SAMPLING_CASES = [
     ["--temperature", "1.2", "--top-k", "40", "--min-p", "0.05", "--repeat-penalty", "1.3", "--seed", "7"],
     ["--temperature", "0.7", "--top-p", "0.5", "--repeat-penalty", "0.8", "--repeat-last-n", "8", "--seed", "9"],
     ["--repeat-penalty", "1.5"],
+    ["--temperature", "1.5", "--top-p", "1", "--seed", "2"],
+    ["--temperature", "1.0", "--top-p", "0.999", "--min-p", "0.02", "--seed", "5"],
 ]
 
 
