@@ -109,13 +109,12 @@ if ! cmake -S . -B "$OUT/cmake" -DCMAKE_BUILD_TYPE=Release -DCMAKE_TOOLCHAIN_FIL
 fi
 compile "$OUT/cmake"
 test -x "$OUT/cmake/spinquant-run"
-# The folder to copy: the binary, and in lib/ the wheel's libraries it links (they find each other through
-# their own $ORIGIN runpath). glibc and libstdc++ are the board's own: the toolchain's libstdc++ would need
-# glibc 2.36, where the binary needs 2.34 and the wheel's libraries 2.27 (tests/test_runner_aarch64.py).
-rm -rf "$OUT/lib" && mkdir -p "$OUT/lib"
-for name in executorch executorch_kernels_optimized executorch_kernels_quantized executorch_backend_xnnpack \
-            executorch_threadpool; do
-  cp "$CACHE/executorch/lib/lib$name.so" "$OUT/lib/"
-done
-cp "$OUT/cmake/spinquant-run" "$OUT/spinquant-run"
+# The folder to copy (CMakeLists.txt's install rules). glibc and libstdc++ are the board's own: the
+# toolchain's libstdc++ would need glibc 2.36, where the binary needs 2.34 and the wheel's libraries 2.27
+# (tests/test_runner_aarch64.py).
+rm -rf "$OUT/lib"
+cmake --install "$OUT/cmake" --prefix "$(pwd)/$OUT" > "$OUT/install.log" 2>&1 || {
+  cat "$OUT/install.log" >&2
+  exit 1
+}
 echo "built $(pwd)/$OUT/spinquant-run (aarch64; copy $(pwd)/$OUT to the board and run ./spinquant-run there)"

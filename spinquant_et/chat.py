@@ -186,13 +186,11 @@ class ChatSession:
         if len(context) + self.reply_room > limit:
             if self.turns and self.stop_when_full:
                 raise ContextFull(f"the conversation fills the program's context of {limit} tokens")
-            dropped = len(self.turns)
-            for k in range(1, len(self.turns) + 1):  # drop the fewest turns that make room
-                rebuilt = self._rebuild(self.turns[k:], user)
-                if len(rebuilt) + self.reply_room <= limit:
-                    dropped = k
+            for dropped in range(1, len(self.turns) + 1):  # the fewest oldest turns whose drop makes room
+                context = self._rebuild(self.turns[dropped:], user)
+                if len(context) + self.reply_room <= limit:
                     break
-            context, start = self._rebuild(self.turns[dropped:], user), 0
+            start = 0  # with no earlier turn, context is already the first turn's ids
             if len(context) >= limit:
                 raise SpinQuantError(f"this turn has {len(context)} tokens with the chat template but the program's "
                                      f"context is {limit}; shorten it (the conversation goes on without it)")
@@ -208,12 +206,14 @@ class ChatSession:
         reply: list[int] = []
         t1 = time.perf_counter()
         full = False
-        penalized = self.sampling.repeat_penalty != 1.0
+        history = list(context) if self.sampling.repeat_penalty != 1.0 else None  # what the penalty looks back on
         while True:
-            token = sample_token(logits, self.sampling, self.rng, context + reply if penalized else ())
+            token = sample_token(logits, self.sampling, self.rng, history or ())
             if token in self.model.eos_ids:
                 break
             reply.append(token)
+            if history is not None:
+                history.append(token)
             if on_token:
                 on_token(token)
             if len(reply) >= self.max_new_tokens:

@@ -129,7 +129,7 @@ def sample_token(logits, config: SamplingConfig, rng: SplitMix64 | None, history
             cum = np.cumsum(np.exp(x[prefix] - top))
             i = int(np.searchsorted(cum, target, side="left"))
             if i < m or m == cand.shape[0]:
-                cand, ranked = prefix[: min(i + 1, m)], True
+                cand = prefix[: min(i + 1, m)]
                 break
             m = min(4 * m, cand.shape[0])
     if config.min_p > 0.0:

@@ -224,6 +224,13 @@ double peak_rss_mib() {
   return ru.ru_maxrss / 1024.0;
 }
 
+// The stats line on stderr after a reply (one per turn in a chat).
+void print_stats(double ttft_s, size_t prompt_tokens, double prefill_s, int decoded, double decode_s) {
+  fprintf(stderr, "ttft %.0f ms; prefill %zu tok at %.1f tok/s; decode %d tok at %.1f tok/s; peak RSS %.0f MiB\n",
+          ttft_s * 1000, prompt_tokens, prompt_tokens / std::max(prefill_s, 1e-9), std::max(decoded, 0),
+          decoded > 0 ? decoded / std::max(decode_s, 1e-9) : 0.0, peak_rss_mib());
+}
+
 // The chat template as literal text around messages, as `spinquant-et export` renders it into chat.json
 // (spinquant_et/chat.py says what each piece is).
 struct ChatTemplate {
@@ -327,14 +334,12 @@ int chat(const Args& a, const spinquant::Tokenizer& tok, int64_t max_seq_len, co
                   << " tokens; the chat ends (--stop-when-full)\n";
         break;
       }
-      dropped = turns.size();
-      for (size_t k = 1; k <= turns.size(); ++k) {  // drop the fewest turns that make room
-        if (static_cast<int64_t>(rebuild(k, line).size()) + reply_room <= max_seq_len) {
-          dropped = k;
-          break;
-        }
+      // the fewest oldest turns whose drop makes room (with no earlier turn, ids are already the first turn's)
+      for (dropped = 1; dropped <= turns.size(); ++dropped) {
+        ids = rebuild(dropped, line);
+        if (static_cast<int64_t>(ids.size()) + reply_room <= max_seq_len) break;
       }
-      ids = rebuild(dropped, line);
+      dropped = std::min(dropped, turns.size());
       start = 0;
       if (static_cast<int64_t>(ids.size()) >= max_seq_len) {
         std::cerr << "error: this turn has " << ids.size() << " tokens with the chat template but the program's context is "
@@ -372,9 +377,7 @@ int chat(const Args& a, const spinquant::Tokenizer& tok, int64_t max_seq_len, co
     std::cout << (a.ids ? "" : stream.flush()) << std::endl;
     const double decode_s = std::chrono::duration<double>(Clock::now() - t1).count();
     const int decoded = static_cast<int>(reply.size()) - 1;
-    fprintf(stderr, "ttft %.0f ms; prefill %zu tok at %.1f tok/s; decode %d tok at %.1f tok/s; peak RSS %.0f MiB\n",
-            prefill_s * 1000, input.size(), input.size() / std::max(prefill_s, 1e-9), std::max(decoded, 0),
-            decoded > 0 ? decoded / std::max(decode_s, 1e-9) : 0.0, peak_rss_mib());
+    print_stats(prefill_s, input.size(), prefill_s, decoded, decode_s);
     turns.push_back({line, reply});
     context = ids;
     append(context, reply);
@@ -533,9 +536,7 @@ int run(const Args& a) {
   double total = std::chrono::duration<double>(Clock::now() - t0).count();
   double decode_s = total - ttft;
   int decoded = generated - 1;
-  fprintf(stderr, "ttft %.0f ms; prefill %zu tok at %.1f tok/s; decode %d tok at %.1f tok/s; peak RSS %.0f MiB\n",
-          ttft * 1000, ids.size(), ids.size() / std::max(prefill_s, 1e-9), decoded,
-          decoded > 0 ? decoded / std::max(decode_s, 1e-9) : 0.0, peak_rss_mib());
+  print_stats(ttft, ids.size(), prefill_s, decoded, decode_s);
   return 0;
 }
 

@@ -81,7 +81,7 @@ inline size_t sample_token(const float* logits, size_t n, const SamplingConfig& 
     order.resize(m);
     return order;
   };
-  bool ranked = c.top_k > 0 && static_cast<size_t>(c.top_k) < n;
+  const bool ranked = c.top_k > 0 && static_cast<size_t>(c.top_k) < n;
   std::vector<int64_t> cand = ranked ? ranked_prefix(c.top_k) : all;
   if (c.top_p < 1.0) {
     double total = 0;
@@ -102,7 +102,6 @@ inline size_t sample_token(const float* logits, size_t n, const SamplingConfig& 
       if (keep <= m || m == cand.size()) {
         prefix.resize(std::min(keep, m));
         cand = std::move(prefix);
-        ranked = true;
         break;
       }
       m = std::min(4 * m, cand.size());
